@@ -1,0 +1,91 @@
+"""The flags every script shares, defined once so that a flag means the same thing everywhere.
+
+Names follow accelerate's examples (`--mixed_precision`, `--cpu`, `--output_dir`,
+`--checkpointing_steps`, `--resume_from_checkpoint`, `--with_tracking`, ...).
+"""
+
+import argparse
+
+from utils.errors import exit_with_error
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag ends with one line (argparse prints usage first)."""
+
+    def error(self, message):
+        exit_with_error(f"{self.prog}: {message} (see --help)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def checkpointing_steps(text: str):
+    """'epoch' or a positive number of optimizer steps."""
+    if text == "epoch":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'epoch' or a positive integer, got {text!r}") from None
+
+
+def build_parser(description: str, *, epochs: int, batch_size: int, learning_rate: float) -> ArgumentParser:
+    """A parser with the shared flags; defaults for the hyperparameters come from the script."""
+    parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+    hyper = parser.add_argument_group("hyperparameters")
+    hyper.add_argument("--epochs", type=positive_int, default=epochs)
+    hyper.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process")
+    hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate)
+    hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
+    hyper.add_argument("--seed", type=int, default=42)
+
+    hardware = parser.add_argument_group("hardware")
+    hardware.add_argument(
+        "--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+        help="overrides the launch config (accelerate config / --config_file)",
+    )
+    hardware.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
+
+    data = parser.add_argument_group("data")
+    data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N")
+    data.add_argument("--max_eval_samples", type=positive_int, default=None, help="use only the first N")
+
+    out = parser.add_argument_group("output and checkpoints")
+    out.add_argument("--output_dir", default="outputs", help="checkpoints, model.safetensors, results.json, logs")
+    out.add_argument(
+        "--checkpointing_steps", type=checkpointing_steps, default=None,
+        help="save a checkpoint every N optimizer steps, or 'epoch' at the end of every epoch",
+    )
+    out.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="keep only the newest K")
+    out.add_argument(
+        "--resume_from_checkpoint", default=None, metavar="{latest,PATH}",
+        help="'latest' (newest complete checkpoint in --output_dir; starts fresh if none) or a checkpoint folder",
+    )
+    out.add_argument("--eval_only", action="store_true", help="evaluate --resume_from_checkpoint and write results")
+    out.add_argument("--with_tracking", action="store_true", help="log metrics to TensorBoard in --output_dir")
+    return parser
+
+
+def check_flag_combinations(parser: ArgumentParser, args) -> None:
+    if args.eval_only and args.resume_from_checkpoint is None:
+        parser.error("--eval_only needs --resume_from_checkpoint {latest,PATH} to know what to evaluate")
+
+

@@ -1,0 +1,15 @@
+"""`evaluate` metrics: the local modules in this folder by name, anything else from the Hub."""
+
+from pathlib import Path
+
+import evaluate
+
+LOCAL_METRICS = Path(__file__).resolve().parent
+
+
+def load_metric(name: str = "accuracy"):
+    """`load_metric("accuracy")` loads ./accuracy.py by path and works offline; a name with no
+    local module (e.g. "f1") goes to `evaluate.load` and needs the Hub."""
+    local_module = LOCAL_METRICS / f"{name}.py"
+    # keep_in_memory: every process computes on the gathered predictions; no shared cache files.
+    return evaluate.load(str(local_module) if local_module.is_file() else name, keep_in_memory=True)
