@@ -86,11 +86,6 @@ def main(args):
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
 
     output_dir = Path(args.output_dir)
-    if accelerator.is_main_process:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder")
 
     # Data: decoded once into tensors. Only the main process downloads; the others wait, then
     # read the cache. [accelerate]
@@ -139,8 +134,16 @@ def main(args):
             raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from another model") from None
         logger.info(f"Resumed from {checkpoint}: {training_state}")
         global_step, starting_epoch = training_state["global_step"], training_state["epoch"]
-        resume_batches, samples_seen = training_state["batches_in_epoch"], training_state["samples_seen"]
+        resume_batches = training_state["batches_in_epoch"]
+        # a mid-epoch checkpoint's count includes the partial epoch, whose sums are carried on below
+        samples_seen = training_state["samples_seen"] - training_state.get("epoch_samples", 0)
 
+    # Only now, with data, model and checkpoint all valid, does the run write anything.
+    if accelerator.is_main_process:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
     if args.with_tracking:
         hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("train_mnist", config=hparams)  # [accelerate]

@@ -1,0 +1,95 @@
+"""Run the scripts the way users do (`accelerate launch`) and read what they wrote."""
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
+# Real digits shared by the workplace; a user's clone has no ../shared.
+MNIST_10K = REPO.parent / "shared" / "data" / "mnist-10k"
+requires_mnist_10k = pytest.mark.skipif(
+    not (MNIST_10K / "train-images-idx3-ubyte.gz").is_file(),
+    reason=f"real-data test: {MNIST_10K} is absent (a plain clone has no ../shared); generated-data tests still run",
+)
+
+
+def launcher_args(num_processes: int = 1, config_file=None) -> list:
+    """`accelerate launch` arguments for N CPU processes (or a given YAML)."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file is not None:
+        return cmd + ["--config_file", str(config_file)]
+    cmd += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    if num_processes > 1:
+        # port 0: a free port each time, so tests never collide with each other or with a user's job
+        return cmd + ["--multi_gpu", "--num_processes", str(num_processes), "--main_process_port", "0"]
+    return cmd + ["--num_processes", "1"]
+
+
+def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def launch(script_args, num_processes: int = 1, config_file=None, script=TRAIN_MNIST, **kwargs):
+    """accelerate launch SCRIPT --cpu ARGS; returns the finished process."""
+    return run([*launcher_args(num_processes, config_file), script, "--cpu", *script_args], **kwargs)
+
+
+def results(output_dir) -> dict:
+    return json.loads((Path(output_dir) / "results.json").read_text())
+
+
+def error_lines(proc) -> list:
+    """Our one-line error messages (accelerate's launcher adds its own report after them)."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]
+
+
+def assert_clean_user_error(proc, *expected_words):
+    """Non-zero exit, our one clear line, and no traceback through our code."""
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    lines = set(error_lines(proc))  # each process prints the same line
+    assert len(lines) == 1, output
+    (line,) = lines
+    for word in expected_words:
+        assert word in line, line
+    for ours in ("scripts/", "utils/"):
+        assert f'{ours}' not in "\n".join(l for l in output.splitlines() if l.strip().startswith("File ")), output
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """The IDX format (big-endian header, then raw bytes), gzipped when the name ends in .gz."""
+    array = np.ascontiguousarray(array, dtype=np.uint8)
+    header = struct.pack(">I", 0x0800 + array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wb") as f:
+        f.write(header + array.tobytes())
+
+
+def make_synthetic_mnist(folder: Path, num_train: int = 640, num_test: int = 203, gz: bool = True, seed: int = 0) -> Path:
+    """Learnable fake digits: class c is a bright bar at a class-specific place, plus noise."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    suffix = ".gz" if gz else ""
+    for prefix, n in (("train", num_train), ("t10k", num_test)):
+        labels = rng.integers(0, 10, size=n).astype(np.uint8)
+        images = rng.integers(0, 60, size=(n, 28, 28)).astype(np.uint8)
+        for i, c in enumerate(labels):
+            row = 3 + 2 * int(c)
+            images[i, row : row + 2, 4 + int(c) : 24] = 255
+        write_idx(folder / f"{prefix}-images-idx3-ubyte{suffix}", images)
+        write_idx(folder / f"{prefix}-labels-idx1-ubyte{suffix}", labels)
+    return folder
