@@ -51,11 +51,11 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     parser = ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 
     hyper = parser.add_argument_group("hyperparameters")
-    hyper.add_argument("--epochs", type=positive_int, default=epochs)
-    hyper.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process")
-    hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate)
-    hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1)
-    hyper.add_argument("--seed", type=int, default=42)
+    hyper.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
+    hyper.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process; the global batch is num_processes x batch_size")
+    hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="peak learning rate")
+    hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
+    hyper.add_argument("--seed", type=int, default=42, help="same on every process")
 
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument(
