@@ -47,5 +47,3 @@ def test_cpu_config_runs_with_its_process_count(name, processes, tmp_path):
     assert r["num_processes"] == processes
     assert r["eval_samples"] == 101
     assert len(set(r["parameter_fingerprints"])) == 1
-
-assert MNIST_10K  # imported for symmetry with the other test modules; real data is not needed here
