@@ -10,13 +10,13 @@ class UserError(Exception):
     """
 
 
-def exit_with_error(error: BaseException) -> None:
+def exit_with_error(error, status: int = 1) -> None:
     # Every rank prints: they all run the same code on the same inputs, and printing on
     # rank 0 only would lose the message when another rank fails first and the launcher
     # stops rank 0 before it gets there.
     message = " ".join(str(error).split())
     print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    sys.exit(status)
 
 
 def check_process_group(accelerator) -> None:

@@ -13,7 +13,7 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag ends with one line (argparse prints usage first)."""
 
     def error(self, message):
-        exit_with_error(f"{self.prog}: {message} (see --help)")
+        exit_with_error(f"{self.prog}: {message} (see --help)", status=2)  # 2: argparse's usage-error status
 
 
 def positive_int(text: str) -> int:

@@ -1,0 +1,121 @@
+"""Mistakes a user can make end with one clear line, a non-zero exit and no traceback."""
+
+import gzip
+import shutil
+import sys
+
+import pytest
+from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args, make_synthetic_mnist, run
+
+sys.path.insert(0, str(TRAIN_MNIST.parent))
+from train_mnist import parse_args  # noqa: E402
+
+
+def train(*args, **kwargs):
+    """The script in one process, no launcher: the launcher adds its own report to failures."""
+    return run([sys.executable, TRAIN_MNIST, "--cpu", *args], check=False, **kwargs)
+
+
+@pytest.fixture
+def data(tmp_path):
+    return make_synthetic_mnist(tmp_path / "data", num_train=64, num_test=32)
+
+
+def test_missing_data_dir(tmp_path):
+    out = tmp_path / "out"
+    proc = train("--data_dir", tmp_path / "nope", "--output_dir", out)
+    assert_clean_user_error(proc, "--data_dir", "no such directory")
+    assert not out.exists(), "nothing may be written for a run that never started"
+
+
+def test_data_dir_without_mnist_files(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = train("--data_dir", tmp_path / "empty", "--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, "--data_dir", "train-images-idx3-ubyte", "MNIST/raw")
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_idx_file(data, tmp_path):
+    target = data / "t10k-images-idx3-ubyte.gz"
+    target.write_bytes(target.read_bytes()[:200])  # a download that stopped half-way
+    proc = train("--data_dir", data, "--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, str(target), "not a valid MNIST IDX file")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_mixed_precision_value(data, tmp_path):
+    proc = train("--data_dir", data, "--mixed_precision", "fp8", "--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, "--mixed_precision", "invalid choice: 'fp8'")
+    assert proc.returncode == 2  # argparse's usage-error status
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--batch_size", "0", ["--batch_size", "positive integer"]),
+    ("--epochs", "two", ["--epochs", "positive integer"]),
+    ("--learning_rate", "-1", ["--learning_rate", "positive number"]),
+    ("--learning_rate", "nan", ["--learning_rate", "positive number"]),
+    ("--checkpointing_steps", "sometimes", ["--checkpointing_steps", "'epoch' or a positive integer"]),
+    ("--gradient_accumulation_steps", "-2", ["--gradient_accumulation_steps", "positive integer"]),
+])
+def test_invalid_flag_values(flag, value, words, capsys):
+    """Parsed in-process (the same parser the script uses): fast, and the same one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--cpu", flag, value])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ")
+    for word in words:
+        assert word in line
+
+
+def test_offline_without_data_dir_names_the_flag(tmp_path):
+    # conftest sets HF_HUB_OFFLINE=1 and an empty HF_HOME: the Hub cannot be reached.
+    proc = train("--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, "ylecun/mnist", "--data_dir")
+    assert not (tmp_path / "out").exists()
+
+
+def test_eval_only_needs_a_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu", "--eval_only"])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "--eval_only needs --resume_from_checkpoint" in line
+
+
+def test_resume_from_missing_checkpoint(data, tmp_path):
+    proc = train("--data_dir", data, "--resume_from_checkpoint", tmp_path / "step_9", "--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, "step_9", "no such folder")
+    assert not (tmp_path / "out").exists()
+
+
+def test_resume_from_corrupt_checkpoint(data, tmp_path):
+    out = tmp_path / "out"
+    train("--data_dir", data, "--epochs", "1", "--checkpointing_steps", "epoch", "--output_dir", out)
+    (out / "epoch_0" / "model.safetensors").write_bytes(b"\x00" * 64)
+    proc = train("--data_dir", data, "--resume_from_checkpoint", out / "epoch_0", "--output_dir", tmp_path / "out2")
+    assert_clean_user_error(proc, "epoch_0", "corrupt")
+    assert not (tmp_path / "out2").exists()
+
+
+def test_resume_from_folder_that_is_not_a_checkpoint(data, tmp_path):
+    (tmp_path / "random_folder").mkdir()
+    proc = train("--data_dir", data, "--resume_from_checkpoint", tmp_path / "random_folder",
+                 "--output_dir", tmp_path / "out")
+    assert_clean_user_error(proc, "random_folder", "not a complete checkpoint")
+
+
+def test_unwritable_output_dir(data, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = train("--data_dir", data, "--output_dir", tmp_path / "a_file" / "out")
+    assert_clean_user_error(proc, "--output_dir", "writable")
+
+
+def test_multi_process_launch_without_cpu_flag_is_caught(data, tmp_path):
+    """Without GPUs and without --cpu, accelerate would run 2 lone copies of the job."""
+    proc = run([*launcher_args(2), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path / "out"], check=False)
+    assert_clean_user_error(proc, "did not form one group", "--cpu")
+
+
+def test_errors_through_the_launcher_with_two_processes(tmp_path):
+    proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", tmp_path / "out"], num_processes=2, check=False)
+    assert_clean_user_error(proc, "--data_dir", "no such directory")

@@ -1,0 +1,124 @@
+"""utils/ on its own: data readers, checkpoint discovery, the offline metric, fingerprints."""
+
+import gzip
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import make_synthetic_mnist, write_idx
+
+from utils.checkpoints import TRAINING_STATE, find_latest_checkpoint, list_checkpoints, read_training_state
+from utils.data import MNIST_MEAN, MNIST_STD, load_mnist_idx, to_tensor_dataset
+from utils.errors import UserError
+from utils.metrics import load_metric
+from utils.models import ConvNet
+from utils.results import fingerprint
+
+
+@pytest.fixture(scope="module")
+def gz_folder(tmp_path_factory):
+    return make_synthetic_mnist(tmp_path_factory.mktemp("gz"), num_train=50, num_test=20, gz=True)
+
+
+def test_reads_gz_raw_and_torchvision_layouts_identically(gz_folder, tmp_path):
+    raw = make_synthetic_mnist(tmp_path / "raw", num_train=50, num_test=20, gz=False)
+    nested = tmp_path / "nested"
+    shutil.copytree(gz_folder, nested / "MNIST" / "raw")
+    a, b, c = load_mnist_idx(gz_folder), load_mnist_idx(raw), load_mnist_idx(nested)
+    for split, n in (("train", 50), ("test", 20)):
+        images, labels = a[split]
+        assert images.shape == (n, 28, 28) and images.dtype == torch.uint8
+        assert labels.dtype == torch.int64 and 0 <= labels.min() and labels.max() <= 9
+        for other in (b, c):
+            assert torch.equal(other[split][0], images) and torch.equal(other[split][1], labels)
+
+
+def test_tensor_dataset_is_normalised_once(gz_folder):
+    images, labels = load_mnist_idx(gz_folder)["train"]
+    dataset = to_tensor_dataset(images, labels, max_samples=7)
+    x, y = dataset.tensors
+    assert x.shape == (7, 1, 28, 28) and x.dtype == torch.float32 and torch.equal(y, labels[:7])
+    assert torch.allclose(x[0, 0], (images[0].float() / 255 - MNIST_MEAN) / MNIST_STD)
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: p.write_bytes(b"not gzip at all"), "BadGzipFile"),
+    (lambda p: p.write_bytes(p.read_bytes()[:100]), "EOFError"),
+    (lambda p: gzip.open(p, "wb").write(b"\x00\x00\x0f\x03" + b"\x00" * 40), "AssertionError"),
+])
+def test_corrupt_files_name_the_file(gz_folder, tmp_path, damage, reason):
+    folder = shutil.copytree(gz_folder, tmp_path / "copy")
+    target = folder / "train-images-idx3-ubyte.gz"
+    damage(target)
+    with pytest.raises(UserError, match="not a valid MNIST IDX file") as err:
+        load_mnist_idx(folder)
+    assert str(target) in str(err.value) and reason in str(err.value)
+
+
+def test_wrong_image_size_and_label_range_are_refused(gz_folder, tmp_path):
+    folder = shutil.copytree(gz_folder, tmp_path / "sizes")
+    write_idx(folder / "train-images-idx3-ubyte.gz", np.zeros((50, 32, 32), np.uint8))
+    with pytest.raises(UserError, match="expected 28x28 images"):
+        load_mnist_idx(folder)
+    folder = shutil.copytree(gz_folder, tmp_path / "labels")
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", np.full(20, 12, np.uint8))
+    with pytest.raises(UserError, match="labels outside 0-9"):
+        load_mnist_idx(folder)
+
+
+def test_mismatched_images_and_labels_are_refused(gz_folder, tmp_path):
+    folder = shutil.copytree(gz_folder, tmp_path / "mismatch")
+    shutil.copy(folder / "train-labels-idx1-ubyte.gz", folder / "t10k-labels-idx1-ubyte.gz")
+    with pytest.raises(UserError, match="20 images but 50 labels"):
+        load_mnist_idx(folder)
+
+
+def _fake_checkpoint(folder, global_step, batches_in_epoch=0, complete=True):
+    folder.mkdir(parents=True)
+    if complete:
+        (folder / TRAINING_STATE).write_text(json.dumps(
+            {"global_step": global_step, "batches_in_epoch": batches_in_epoch, "epoch": 0, "samples_seen": 0}))
+
+
+def test_latest_checkpoint_is_by_steps_and_ignores_incomplete_ones(tmp_path):
+    assert find_latest_checkpoint(tmp_path / "missing") is None
+    _fake_checkpoint(tmp_path / "step_100", 100, batches_in_epoch=100)
+    _fake_checkpoint(tmp_path / "epoch_0", 100)  # same step, end of epoch: counts as later
+    _fake_checkpoint(tmp_path / "step_20", 20, batches_in_epoch=20)  # lexically after step_100
+    _fake_checkpoint(tmp_path / "step_300", 300, complete=False)  # killed during the save
+    _fake_checkpoint(tmp_path / ".tmp-step_400", 400)  # the temporary name is never a checkpoint
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_20", "step_100", "epoch_0"]
+    assert find_latest_checkpoint(tmp_path).name == "epoch_0"
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        read_training_state(tmp_path / "step_300")
+
+
+def test_local_accuracy_metric_works_offline():
+    metric = load_metric("accuracy")  # conftest: HF_HUB_OFFLINE=1
+    metric.add_batch(predictions=[1, 2, 3], references=[1, 2, 0])
+    metric.add_batch(predictions=torch.tensor([4]), references=torch.tensor([4]))
+    assert metric.compute() == {"accuracy": 0.75}
+
+
+def test_hub_metric_names_still_go_to_the_hub():
+    with pytest.raises(Exception):  # offline here, so it must fail rather than silently use something else
+        load_metric("f1")
+
+
+def test_fingerprint_sees_every_bit():
+    model = ConvNet()
+    before = fingerprint(model.parameters())
+    assert fingerprint(model.parameters()) == before
+    with torch.no_grad():
+        weight = model.fc.weight.view(-1)
+        weight[0] = torch.nextafter(weight[0], torch.tensor(1.0))  # one ulp
+    assert fingerprint(model.parameters()) != before
+    assert 0 <= before < 2**60
+
+
+def test_convnet_shapes():
+    model = ConvNet()
+    assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
+    assert sum(p.numel() for p in model.parameters()) == 16 * 25 + 16 + 32 * 16 * 25 + 32 + 2 * (16 + 32) + 7 * 7 * 32 * 10 + 10
