@@ -1,0 +1,149 @@
+#!/usr/bin/env python
+"""Baseline: the MNIST ConvNet in plain PyTorch, one process, no Accelerate.
+
+    python scripts/baselines/plain_mnist.py --data_dir path/to/MNIST/raw
+
+The "before" side of the migration, written the way single-GPU tutorials write it, with the
+model, data, hyperparameters and results.json of scripts/train_mnist.py. Mixed precision is
+torch's native AMP (autocast, plus a GradScaler for fp16), which replaced NVIDIA apex.
+"""
+
+import logging
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
+from utils.benchmarking import autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
+from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.flags import build_parser  # noqa: E402
+from utils.models import ConvNet  # noqa: E402
+from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+
+def parse_args(argv=None):
+    parser = build_parser(__doc__.splitlines()[0], epochs=3, batch_size=64, learning_rate=3e-3)
+    parser.add_argument(
+        "--data_dir", default=None,
+        help="folder with the MNIST IDX files (raw or .gz, also DIR/MNIST/raw); default: ylecun/mnist from the Hub",
+    )
+    args = parser.parse_args(argv)
+    reject_flags_the_baselines_lack(parser, args)
+    return args
+
+
+def evaluate(model, dataloader, device, amp_dtype):
+    """Accuracy and mean loss over the whole eval set (one process sees every sample)."""
+    model.eval()
+    correct, loss_sum, count = 0, 0.0, 0
+    with torch.no_grad():
+        for images, labels in dataloader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(images)
+            losses = F.cross_entropy(logits.float(), labels, reduction="none")
+            correct += (logits.argmax(dim=-1) == labels).sum().item()
+            loss_sum += losses.double().sum().item()
+            count += len(labels)
+    return {"eval_accuracy": correct / count, "eval_loss": loss_sum / count, "eval_samples": count}
+
+
+def main(args):
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    amp_dtype = autocast_dtype(args.mixed_precision, device)  # None: fp32
+    torch.manual_seed(args.seed)
+    output_dir = Path(args.output_dir)
+
+    splits = load_mnist(args.data_dir)
+    train_dataset = to_tensor_dataset(*splits["train"], max_samples=args.max_train_samples)
+    eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
+    pin_memory = device.type == "cuda"
+    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True, pin_memory=pin_memory)
+    eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, pin_memory=pin_memory)
+
+    model = ConvNet().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
+    max_steps = len(train_dataloader) * args.epochs
+    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=args.learning_rate, total_steps=max_steps, pct_start=0.15
+    )
+    # Scales fp16 losses so that small gradients do not flush to zero; a no-op otherwise.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+
+    results = {}
+    meter = ThroughputMeter(device)
+    progress_bar = tqdm(total=max_steps, desc="train")
+    global_step, samples_seen = 0, 0
+    for epoch in range(args.epochs):
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        sample_count = 0
+        meter.start()
+        for images, labels in train_dataloader:
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(images)
+                loss = F.cross_entropy(logits, labels)
+            scaler.scale(loss).backward()
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)  # skipped when fp16 gradients overflowed
+            scaler.update()
+            if scaler.get_scale() >= scale_before:  # the scale only drops after a skipped step
+                lr_scheduler.step()
+            optimizer.zero_grad()
+            loss_sum += loss.detach().double() * len(labels)
+            sample_count += len(labels)
+            global_step += 1
+            meter.batch_done(len(labels))
+            progress_bar.update(1)
+        meter.pause()
+
+        samples_seen += sample_count
+        results["train_loss"] = loss_sum.item() / sample_count
+        results.update(evaluate(model, eval_dataloader, device, amp_dtype))
+        logger.info(
+            f"epoch {epoch}: train_loss {results['train_loss']:.4f}, eval_loss {results['eval_loss']:.4f}, "
+            f"eval_accuracy {results['eval_accuracy']:.4f} ({results['eval_samples']} samples)"
+        )
+    progress_bar.close()
+
+    save_file(model.state_dict(), output_dir / "model.safetensors")
+    results.update({
+        "method": "plain",
+        "train_samples_per_second": meter.steady_samples / meter.steady_time_s if meter.steady_time_s > 0 else None,
+        "train_time_s": meter.train_time_s,
+        "peak_memory_mb": peak_memory_mb(device),
+        "num_processes": 1,
+        "mixed_precision": args.mixed_precision or "no",
+        "epochs": args.epochs,
+        "global_step": global_step,
+        "samples_seen": samples_seen,
+        "batch_size_per_process": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+        "parameter_fingerprints": [fingerprint(model.parameters())],
+        "buffer_fingerprints": [fingerprint(model.buffers())],
+    })
+    write_json_atomically(output_dir / "results.json", results)
+    logger.info(f"Wrote {output_dir / 'results.json'}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UserError as err:
+        exit_with_error(err)
