@@ -1,0 +1,393 @@
+#!/usr/bin/env python
+"""Train a torchvision image classifier (ResNet-18/50, ...) on an image folder or a Hub dataset with Hugging Face Accelerate.
+
+    accelerate launch scripts/train_image_classifier.py --data_dir flower_photos        # DIR/<class>/*.jpg
+    accelerate launch scripts/train_image_classifier.py --data_dir imagenet --model resnet50 --epochs 90
+    accelerate launch scripts/train_image_classifier.py --dataset uoft-cs/cifar10 --image_size 32
+
+The same file runs on a CPU, one GPU, all GPUs of a node or several nodes: the launch
+config decides. Lines marked `# [accelerate]` are what differs from a plain PyTorch script.
+"""
+
+import logging
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator  # [accelerate]
+from accelerate.logging import get_logger  # [accelerate]
+from accelerate.utils import (  # [accelerate]
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    set_seed,
+)
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
+from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
+from utils.errors import UserError, check_process_group, exit_with_error  # noqa: E402
+from utils.flags import build_parser, check_flag_combinations, positive_int  # noqa: E402
+from utils.metrics import load_metric  # noqa: E402
+from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.vision import (  # noqa: E402
+    TransformedImages,
+    build_model,
+    eval_transform,
+    is_unused_parameter_error,
+    load_image_datasets,
+    parameters_without_gradient,
+    train_transform,
+)
+
+logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
+
+DEFAULT_LEARNING_RATE = {"sgd": 0.1, "adamw": 1e-3}
+DEFAULT_WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
+
+
+def parse_args(argv=None):
+    parser = build_parser(__doc__.splitlines()[0], epochs=10, batch_size=64, learning_rate=0.1)
+    parser.set_defaults(learning_rate=None)  # depends on --optimizer, see DEFAULT_LEARNING_RATE
+
+    data = parser.add_argument_group("image data (one of --data_dir, --dataset)")
+    source = data.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data_dir", help="image folder: DIR/<class>/* (split by --val_split) or DIR/train/<class>/* and DIR/val/<class>/*")
+    source.add_argument("--dataset", help="Hugging Face Hub dataset with an image and a label column, e.g. uoft-cs/cifar10")
+    data.add_argument("--dataset_config", default=None, help="configuration name of --dataset, if it has several")
+    data.add_argument("--image_column", default=None, help="default: the dataset's Image column")
+    data.add_argument("--label_column", default=None, help="default: the dataset's ClassLabel column")
+    data.add_argument("--val_split", type=float, default=0.2, help="fraction held out for evaluation when there is no val split")
+    data.add_argument("--image_size", type=positive_int, default=224, help="side of the square crops fed to the model")
+    data.add_argument("--num_workers", type=int, default=4, help="DataLoader worker processes per training process (decode + augment)")
+
+    model = parser.add_argument_group("model and optimisation")
+    model.add_argument("--model", default="resnet18", help="torchvision model name (resnet18, resnet50, ...) or module:function(num_classes)")
+    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights (downloaded once)")
+    model.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                       help="sgd: momentum, lr 0.1, weight decay 1e-4; adamw: lr 1e-3, weight decay 0.05 (unless given)")
+    model.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    model.add_argument("--weight_decay", type=float, default=None, help="default depends on --optimizer")
+    model.add_argument("--warmup_epochs", type=float, default=1.0, help="linear warmup before the cosine decay")
+    model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
+
+    dist = parser.add_argument_group("distributed and performance switches")
+    dist.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over the global batch (SyncBatchNorm; GPUs only)")
+    dist.add_argument("--find_unused_parameters", action="store_true", help="let DDP handle parameters that get no gradient (slower)")
+    dist.add_argument("--ddp_comm_hook", choices=["fp16", "bf16", "power_sgd"], default=None,
+                      help="compress gradients for the all-reduce (fp16 works on gloo; bf16 needs NCCL)")
+    dist.add_argument("--channels_last", action="store_true", help="NHWC memory format: faster convolutions on tensor cores")
+    dist.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
+    args = parser.parse_args(argv)
+    check_flag_combinations(parser, args)
+    if not 0 < args.val_split < 1:
+        parser.error(f"--val_split must be between 0 and 1, got {args.val_split}")
+    if args.num_workers < 0:
+        parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
+    if not 0 <= args.label_smoothing < 1:
+        parser.error(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.learning_rate is None:
+        args.learning_rate = DEFAULT_LEARNING_RATE[args.optimizer]
+    if args.weight_decay is None:
+        args.weight_decay = DEFAULT_WEIGHT_DECAY[args.optimizer]
+    return args
+
+
+def evaluate(accelerator, model, dataloader, metric, channels_last=False):
+    """Top-1/top-5 accuracy and mean loss over exactly the eval set, whatever the number of processes."""
+    model.eval()
+    per_sample_losses = []
+    for images, labels in dataloader:
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            logits = model(images)
+        losses = F.cross_entropy(logits.float(), labels, reduction="none")
+        top_k = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+        # [accelerate] collect every process's batch; drops the samples that were repeated
+        # to give all processes equally many batches, so each sample counts exactly once.
+        top_k, labels, losses = accelerator.gather_for_metrics((top_k, labels, losses))
+        metric.add_batch(predictions=top_k, references=labels)
+        per_sample_losses.append(losses)
+    losses = torch.cat(per_sample_losses).double()
+    scores = metric.compute()
+    return {
+        "eval_accuracy": scores["accuracy"],
+        "eval_top5_accuracy": scores["top_k_accuracy"],  # k = min(5, number of classes)
+        "eval_loss": losses.mean().item(),
+        "eval_samples": losses.numel(),
+    }
+
+
+def main(args):
+    # [accelerate] DDP options: Accelerate builds DistributedDataParallel, so they travel as kwargs.
+    ddp_kwargs = DistributedDataParallelKwargs(
+        find_unused_parameters=args.find_unused_parameters,
+        comm_hook=DDPCommunicationHookType(args.ddp_comm_hook or "no"),
+    )
+    # Without a GPU, gloo on the CPU; the launch config (or the flag) picks the precision.
+    accelerator = Accelerator(  # [accelerate]
+        cpu=args.cpu,
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # The shuffle order of epoch e depends only on (seed, e), so a resumed run sees the
+        # same batches as an uninterrupted one.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # We step the scheduler ourselves, once per optimizer step. (By default Accelerate
+        # steps it num_processes times per step, a frequent surprise.)
+        step_scheduler_with_optimizer=False,
+        kwargs_handlers=[ddp_kwargs],
+        dynamo_backend="inductor" if args.compile else None,  # None: as the launch config says
+        log_with="tensorboard" if args.with_tracking else None,
+        project_dir=args.output_dir,
+    )
+    check_process_group(accelerator)
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
+    logger.info(accelerator.state)
+    if args.sync_bn and accelerator.device.type != "cuda":
+        raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop --sync_bn for CPU runs")
+    set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
+
+    output_dir = Path(args.output_dir)
+
+    # Data: the main process reads the folder (or downloads) and builds the datasets cache;
+    # the others wait, then read that cache. Images are decoded later, in the workers. [accelerate]
+    with accelerator.main_process_first():
+        train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
+            args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column, args.val_split
+        )
+    if args.max_train_samples is not None:
+        train_split = train_split.select(range(min(args.max_train_samples, len(train_split))))
+    if args.max_eval_samples is not None:
+        eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
+    train_dataset = TransformedImages(train_split, train_transform(args.image_size), image_column, label_column, args.seed)
+    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size), image_column, label_column)
+    loader_options = dict(
+        num_workers=args.num_workers,
+        pin_memory=accelerator.device.type == "cuda",
+        persistent_workers=args.num_workers > 0,  # no worker start-up cost at every epoch
+    )
+    # drop_last: a last batch of one image would break BatchNorm in training
+    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_options)
+    eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, **loader_options)
+    if len(train_dataset) < args.batch_size * accelerator.num_processes:
+        raise UserError(f"{len(train_dataset)} training images are fewer than one global batch "
+                        f"({accelerator.num_processes} x {args.batch_size}); lower --batch_size")
+
+    with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
+        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained)
+    if args.sync_bn:
+        # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
+                                    weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    # [accelerate] shards the dataloaders per process and moves batches to the device.
+    train_dataloader, eval_dataloader = accelerator.prepare(train_dataloader, eval_dataloader)
+    # Steps per epoch are counted on the prepared (per-process) dataloader.
+    steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+    max_steps = steps_per_epoch * args.epochs
+    warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), max_steps)
+
+    def warmup_then_cosine(step):
+        """Learning-rate factor after `step` optimizer steps: linear warmup, then cosine decay to 0."""
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, max_steps - warmup_steps)))
+
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
+    # [accelerate] wraps the model in DDP when there are several processes, sets up mixed
+    # precision (autocast, and a GradScaler for fp16), and registers all three for save_state.
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    with accelerator.main_process_first():
+        metric = load_metric("topk_accuracy")
+
+    # Resume: weights, optimizer, scheduler, GradScaler and RNG states come back with
+    # load_state; where to continue comes from training_state.json.
+    global_step, starting_epoch, resume_batches, samples_seen = 0, 0, 0, 0
+    checkpoint = args.resume_from_checkpoint
+    if checkpoint == "latest":
+        checkpoint = find_latest_checkpoint(output_dir)
+        if checkpoint is None:
+            if args.eval_only:
+                raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; pass a checkpoint folder")
+            logger.info(f"No checkpoint in {output_dir} yet: starting from scratch")
+    if checkpoint is not None:
+        if not Path(checkpoint).is_dir():
+            raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
+        training_state = read_training_state(checkpoint)
+        try:
+            accelerator.load_state(str(checkpoint))  # [accelerate]
+        except Exception as err:
+            raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from another model") from None
+        logger.info(f"Resumed from {checkpoint}: {training_state}")
+        global_step, starting_epoch = training_state["global_step"], training_state["epoch"]
+        resume_batches = training_state["batches_in_epoch"]
+        # a mid-epoch checkpoint's count includes the partial epoch, whose sums are carried on below
+        samples_seen = training_state["samples_seen"] - training_state.get("epoch_samples", 0)
+
+    # Only now, with data, model and checkpoint all valid, does the run write anything.
+    if accelerator.is_main_process:
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+    if args.with_tracking:
+        hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
+        accelerator.init_trackers("train_image_classifier", config=hparams)  # [accelerate]
+
+    results = {"train_loss": None, "train_samples_per_second": None, "train_time_s": 0.0}
+    meter = ThroughputMeter(accelerator.device)
+    progress_bar = tqdm(
+        total=max_steps, initial=global_step, desc="train", disable=not accelerator.is_local_main_process
+    )
+    device = accelerator.device
+    # This process's share of the epoch's loss sum and sample count (reduced over processes below).
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sample_count = torch.zeros((), dtype=torch.float64, device=device)
+
+    def global_totals():
+        """[accelerate] exact sums over all processes: loss of every sample, number of samples."""
+        totals = accelerator.reduce(torch.stack([loss_sum, sample_count]), reduction="sum")
+        return totals[0].item(), int(totals[1].item())
+
+    epochs_to_run = range(starting_epoch, args.epochs) if not args.eval_only else []
+    for epoch in epochs_to_run:
+        model.train()
+        train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
+        train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
+        batches = train_dataloader
+        if epoch == starting_epoch and resume_batches:
+            # [accelerate] continue mid-epoch without replaying the batches already trained on
+            batches = accelerator.skip_first_batches(train_dataloader, resume_batches)
+        batches_in_epoch = resume_batches if epoch == starting_epoch else 0
+        loss_sum.zero_(), sample_count.zero_()
+        if epoch == starting_epoch and checkpoint is not None and resume_batches:
+            # rank 0 carries the sums of the part of this epoch done before the checkpoint
+            if accelerator.is_main_process:
+                loss_sum += training_state["epoch_loss_sum"]
+                sample_count += training_state["epoch_samples"]
+
+        meter.start()
+        for images, labels in batches:
+            if args.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
+                try:
+                    logits = model(images)
+                except RuntimeError as err:
+                    if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
+                        unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
+                        raise UserError(f"DDP: these parameters get no gradient: {', '.join(unused) or '(none found in a single-process pass)'}; "
+                                        f"pass --find_unused_parameters, or remove them from the model (faster)") from None
+                    raise
+                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+                accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
+                optimizer.step()  # skipped on accumulation steps and on fp16 overflow
+                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    lr_scheduler.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach().double() * len(labels)
+            sample_count += len(labels)
+            batches_in_epoch += 1
+            meter.batch_done(len(labels))
+
+            if accelerator.sync_gradients:  # [accelerate] True when an optimizer step was taken
+                global_step += 1
+                progress_bar.update(1)
+                if isinstance(args.checkpointing_steps, int) and global_step % args.checkpointing_steps == 0:
+                    meter.pause()
+                    epoch_loss, epoch_samples = global_totals()
+                    save_checkpoint(accelerator, output_dir, f"step_{global_step}", {
+                        "epoch": epoch, "global_step": global_step, "batches_in_epoch": batches_in_epoch,
+                        "samples_seen": samples_seen + epoch_samples,
+                        "epoch_loss_sum": epoch_loss, "epoch_samples": epoch_samples,
+                    }, args.checkpoints_total_limit)
+                    meter.start()
+        meter.pause()
+
+        epoch_loss, epoch_samples = global_totals()
+        samples_seen += epoch_samples
+        results["train_loss"] = epoch_loss / epoch_samples
+        results.update(evaluate(accelerator, model, eval_dataloader, metric, args.channels_last))
+        logger.info(
+            f"epoch {epoch}: train_loss {results['train_loss']:.4f}, eval_loss {results['eval_loss']:.4f}, "
+            f"eval_accuracy {results['eval_accuracy']:.4f}, top-5 {results['eval_top5_accuracy']:.4f} "
+            f"({results['eval_samples']} samples)"
+        )
+        if args.with_tracking:
+            accelerator.log({  # [accelerate]
+                "train_loss": results["train_loss"], "eval_loss": results["eval_loss"],
+                "eval_accuracy": results["eval_accuracy"], "eval_top5_accuracy": results["eval_top5_accuracy"],
+                "learning_rate": lr_scheduler.get_last_lr()[0], "epoch": epoch,
+            }, step=global_step)
+        if args.checkpointing_steps == "epoch":
+            save_checkpoint(accelerator, output_dir, f"epoch_{epoch}", {
+                "epoch": epoch + 1, "global_step": global_step, "batches_in_epoch": 0,
+                "samples_seen": samples_seen,
+            }, args.checkpoints_total_limit)
+    progress_bar.close()
+
+    if args.eval_only:
+        results.update(evaluate(accelerator, model, eval_dataloader, metric, args.channels_last))
+
+    # [accelerate] the throughput is the sum over processes, the time that of the slowest.
+    per_process = accelerator.gather(torch.tensor(  # [accelerate] one row per process
+        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device)]],
+        dtype=torch.float64, device=device,
+    )).cpu()
+    if meter.steady_time_s > 0:
+        results["train_samples_per_second"] = per_process[:, 0].sum().item() / per_process[:, 1].max().item()
+    results["train_time_s"] = per_process[:, 2].max().item()
+    results["peak_memory_mb"] = per_process[:, 3].max().item()
+
+    # Every replica must hold the same weights; BatchNorm statistics agree after the
+    # evaluation above (DDP broadcasts buffers from rank 0 at the start of each forward).
+    unwrapped = accelerator.unwrap_model(model)  # [accelerate] the plain torchvision model inside DDP
+    replica = torch.tensor(
+        [fingerprint(unwrapped.parameters()), fingerprint(unwrapped.buffers())], device=device
+    )
+    replicas = accelerator.gather(replica.unsqueeze(0)).cpu().tolist()  # [accelerate]
+
+    accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
+    if not args.eval_only:
+        accelerator.save_model(model, output_dir)  # [accelerate] model.safetensors, from the main process
+    if accelerator.is_main_process:
+        results.update({
+            "num_processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "epochs": args.epochs,
+            "global_step": global_step,
+            # LambdaLR counts its steps in last_epoch; equal to global_step when stepped once per optimizer step
+            "lr_scheduler_steps": lr_scheduler.scheduler.last_epoch,
+            "samples_seen": samples_seen,
+            "batch_size_per_process": args.batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "learning_rate": args.learning_rate,
+            "seed": args.seed,
+            "model": args.model,
+            "image_size": args.image_size,
+            "class_names": class_names,  # class id i is class_names[i]
+            "train_size": len(train_dataset),
+            "resumed_from": str(checkpoint) if checkpoint is not None else None,
+            "parameter_fingerprints": [row[0] for row in replicas],
+            "buffer_fingerprints": [row[1] for row in replicas],
+        })
+        write_json_atomically(output_dir / "results.json", results)
+        logger.info(f"Wrote {output_dir / 'results.json'}")
+    accelerator.end_training()  # [accelerate] closes the trackers
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UserError as err:
+        exit_with_error(err)

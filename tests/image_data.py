@@ -1,0 +1,170 @@
+"""Test helpers for train_image_classifier.py: generated image folders, models with an
+unused parameter, and a probe that reports what DDP actually did.
+
+The probe runs as the launched script (`accelerate launch tests/image_data.py SCRIPT ARGS`):
+it patches DistributedDataParallel to remember the instance (and, if asked, to count the
+gradient all-reduces with a comm hook), runs SCRIPT unchanged, and writes one JSON file per
+rank to $DDP_PROBE_OUT.{rank}. The training script stays free of test code.
+"""
+
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+from torch import nn
+
+# One (colour, shape) per class: learnable from colour alone, and from shape alone.
+CLASSES = {
+    "circle_red": ((220, 40, 40), "ellipse"),
+    "square_green": ((40, 190, 60), "rectangle"),
+    "triangle_blue": ((50, 70, 230), "triangle"),
+    "cross_yellow": ((230, 210, 40), "cross"),
+}
+
+
+def draw_example(rng: np.random.Generator, class_name: str, size: int = 40) -> Image.Image:
+    """A noisy background with one jittered, randomly placed shape of the class's colour."""
+    colour, shape = CLASSES[class_name]
+    background = rng.integers(0, 110, size=(size, size, 3), dtype=np.uint8)
+    image = Image.fromarray(background, "RGB")
+    draw = ImageDraw.Draw(image)
+    fill = tuple(int(np.clip(c + rng.integers(-25, 26), 0, 255)) for c in colour)
+    extent = int(rng.integers(size // 2, size - 4))
+    x0, y0 = (int(v) for v in rng.integers(0, size - extent + 1, size=2))
+    x1, y1 = x0 + extent - 1, y0 + extent - 1
+    if shape == "ellipse":
+        draw.ellipse((x0, y0, x1, y1), fill=fill)
+    elif shape == "rectangle":
+        draw.rectangle((x0, y0, x1, y1), fill=fill)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) // 2, y0), (x0, y1), (x1, y1)], fill=fill)
+    else:
+        bar = max(2, extent // 4)
+        cx, cy = (x0 + x1) // 2, (y0 + y1) // 2
+        draw.rectangle((x0, cy - bar, x1, cy + bar), fill=fill)
+        draw.rectangle((cx - bar, y0, cx + bar, y1), fill=fill)
+    return image
+
+
+def write_class_folders(root: Path, per_class: int, rng: np.random.Generator, ext: str = "png") -> None:
+    for class_name in CLASSES:
+        folder = root / class_name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            draw_example(rng, class_name).save(folder / f"{i:04d}.{ext}")
+
+
+def make_split_image_folder(root: Path, train_per_class: int = 60, val_per_class: int = 20,
+                            val_name: str = "val", seed: int = 0) -> Path:
+    """ROOT/train/<class>/*.png and ROOT/<val_name>/<class>/*.png (the ImageNet layout)."""
+    rng = np.random.default_rng(seed)
+    write_class_folders(root / "train", train_per_class, rng)
+    write_class_folders(root / val_name, val_per_class, rng)
+    return root
+
+
+def make_flat_image_folder(root: Path, per_class: int = 75, seed: int = 1) -> Path:
+    """ROOT/<class>/*.jpg, one folder per class and no split (the flower-photos layout)."""
+    write_class_folders(root, per_class, np.random.default_rng(seed), ext="jpg")
+    return root
+
+
+def make_parquet_dataset(root: Path, train_per_class: int = 30, test_per_class: int = 10, seed: int = 2) -> Path:
+    """A Hub-style dataset saved as parquet with CIFAR-100-like column names ("img", "fine_label")."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    names = list(CLASSES)
+    features = datasets.Features({
+        "img": datasets.Image(), "fine_label": datasets.ClassLabel(names=names), "note": datasets.Value("string"),
+    })
+    root.mkdir(parents=True, exist_ok=True)
+    for split, per_class in (("train", train_per_class), ("test", test_per_class)):
+        rows = {"img": [], "fine_label": [], "note": []}
+        for label, class_name in enumerate(names):
+            for _ in range(per_class):
+                rows["img"].append(draw_example(rng, class_name))
+                rows["fine_label"].append(label)
+                rows["note"].append(class_name)
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(str(root / f"{split}.parquet"))
+    return root
+
+
+class ResNetWithUnusedHead(nn.Module):
+    """resnet18 plus a second head that forward() never calls: DDP's classic unused-parameter case."""
+
+    def __init__(self, num_classes: int):
+        super().__init__()
+        from torchvision.models import resnet18
+
+        self.backbone = resnet18(num_classes=num_classes)
+        self.unused_head = nn.Linear(512, num_classes)
+        nn.init.constant_(self.unused_head.weight, 0.5)  # a known value: it must never change
+        nn.init.constant_(self.unused_head.bias, 0.5)
+
+    def forward(self, images):
+        return self.backbone(images)
+
+
+def resnet_with_unused_head(num_classes: int) -> nn.Module:
+    """Model builder for `--model tests.image_data:resnet_with_unused_head`."""
+    return ResNetWithUnusedHead(num_classes)
+
+
+# ---------------------------------------------------------------- the DDP probe
+
+
+def run_with_ddp_probe(argv) -> None:
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen = {"ddp": None, "synced_backward_passes": 0, "input_channels_last": []}
+    original_init = DistributedDataParallel.__init__
+
+    def counting_allreduce(process_group, bucket):
+        if bucket.is_last():  # one call per bucket; the last bucket closes one synchronised backward
+            seen["synced_backward_passes"] += 1
+        return default_hooks.allreduce_hook(process_group, bucket)
+
+    def patched_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        seen["ddp"] = self
+        if os.environ.get("DDP_PROBE_COUNT_ALLREDUCE") == "1":
+            self.register_comm_hook(state=None, hook=counting_allreduce)
+        self.module.register_forward_pre_hook(
+            lambda module, inputs: seen["input_channels_last"].append(
+                inputs[0].is_contiguous(memory_format=torch.channels_last)
+            )
+        )
+
+    DistributedDataParallel.__init__ = patched_init
+
+    def write_report():
+        ddp = seen["ddp"]
+        report = {"ddp_wrapped": ddp is not None}
+        if ddp is not None:
+            logging_data = ddp._get_ddp_logging_data()
+            first_conv = next(m for m in ddp.module.modules() if isinstance(m, nn.Conv2d))
+            report.update({
+                "comm_hook": logging_data.get("comm_hook"),
+                "find_unused_parameters": bool(logging_data.get("find_unused_parameters")),
+                "synced_backward_passes": seen["synced_backward_passes"],
+                "weights_channels_last": first_conv.weight.is_contiguous(memory_format=torch.channels_last),
+                "inputs_channels_last": sorted(set(seen["input_channels_last"])),
+            })
+        rank = os.environ.get("RANK", "0")  # the process group may be gone by now
+        Path(f"{os.environ['DDP_PROBE_OUT']}.{rank}").write_text(json.dumps(report))
+
+    script, *script_args = argv
+    sys.argv = [script, *script_args]
+    runpy.run_path(script, run_name="__main__")  # a script that fails exits here, with no report
+    write_report()
+
+
+if __name__ == "__main__":
+    run_with_ddp_probe(sys.argv[1:])

@@ -1,0 +1,368 @@
+"""train_image_classifier.py launched for real through `accelerate launch`, on CPU processes,
+on generated image folders (four classes of coloured shapes, 40x40 px; chance is 0.25)."""
+
+import json
+import math
+import shutil
+import urllib.error
+
+import pytest
+import torch
+from helpers import REPO, assert_clean_user_error, launch, launcher_args, results, run
+from image_data import (
+    CLASSES,
+    ResNetWithUnusedHead,
+    make_flat_image_folder,
+    make_parquet_dataset,
+    make_split_image_folder,
+)
+from datasets import Image
+from safetensors.torch import load_file
+
+from utils.errors import UserError
+from utils.metrics import load_metric
+from utils.vision import (
+    TransformedImages,
+    build_model,
+    eval_transform,
+    is_unused_parameter_error,
+    load_image_datasets,
+    parameters_without_gradient,
+    train_transform,
+)
+
+SCRIPT = REPO / "scripts" / "train_image_classifier.py"
+PROBE = REPO / "tests" / "image_data.py"
+CLASS_NAMES = sorted(CLASSES)
+# Small and fast: resnet18 on 32 px crops, AdamW without warmup, images decoded in the main process.
+FAST = ["--model", "resnet18", "--image_size", "32", "--optimizer", "adamw", "--warmup_epochs", "0",
+        "--num_workers", "0", "--batch_size", "16"]
+
+
+def train(args, num_processes=1, **kwargs):
+    return launch([*FAST, *map(str, args)], num_processes=num_processes, script=SCRIPT, **kwargs)
+
+
+def train_with_probe(args, num_processes, probe_out, count_allreduce=False):
+    """Run the script under tests/image_data.py's DDP probe; returns one report per rank."""
+    env = {"DDP_PROBE_OUT": str(probe_out), "DDP_PROBE_COUNT_ALLREDUCE": "1" if count_allreduce else "0"}
+    run([*launcher_args(num_processes), PROBE, SCRIPT, "--cpu", *FAST, *map(str, args)], env=env)
+    return [json.loads(probe_out.with_name(f"{probe_out.name}.{rank}").read_text()) for rank in range(num_processes)]
+
+
+@pytest.fixture(scope="module")
+def split_folder(tmp_path_factory):
+    """train/ 60 and val/ 20 images per class: 240 / 80."""
+    return make_split_image_folder(tmp_path_factory.mktemp("split_folder"))
+
+
+@pytest.fixture(scope="module")
+def flat_folder(tmp_path_factory):
+    """75 images per class in one folder per class: 300, split 240 / 60 by --val_split 0.2."""
+    return make_flat_image_folder(tmp_path_factory.mktemp("flat_folder"))
+
+
+# ---------------------------------------------------------------- learning, both layouts
+
+
+@pytest.fixture(scope="module")
+def trained_split_1proc(split_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("split_1proc")
+    # two DataLoader workers: images are decoded and augmented there
+    train(["--data_dir", split_folder, "--output_dir", out, "--epochs", "2", "--num_workers", "2", "--with_tracking"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_flat_2proc(flat_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("flat_2proc")
+    train(["--data_dir", flat_folder, "--output_dir", out, "--epochs", "3", "--checkpointing_steps", "epoch"],
+          num_processes=2)
+    return out
+
+
+def test_train_val_layout_one_process_learns_and_reports_everything(trained_split_1proc):
+    r = results(trained_split_1proc)
+    assert r["eval_accuracy"] >= 0.9  # chance is 0.25
+    assert r["eval_top5_accuracy"] == 1.0  # top-5 of 4 classes
+    assert r["eval_samples"] == 80 and r["train_size"] == 240
+    assert r["class_names"] == CLASS_NAMES  # class id = position in the sorted folder names
+    assert r["num_processes"] == 1 and r["mixed_precision"] == "no"
+    # 240 images in batches of 16: 15 optimizer steps per epoch
+    assert r["global_step"] == r["lr_scheduler_steps"] == 2 * 15
+    assert r["samples_seen"] == 2 * 240
+    assert math.isfinite(r["train_loss"]) and 0 < r["eval_loss"] < 0.5
+    assert r["train_samples_per_second"] > 0 and r["peak_memory_mb"] > 100
+    weights = load_file(trained_split_1proc / "model.safetensors")
+    assert weights["fc.weight"].shape == (4, 512)
+
+
+def test_with_tracking_writes_tensorboard_scalars(trained_split_1proc):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(trained_split_1proc / "train_image_classifier"))
+    accumulator.Reload()
+    accuracy = accumulator.Scalars("eval_accuracy")
+    assert [e.step for e in accuracy] == [15, 30]
+    assert accuracy[-1].value == pytest.approx(results(trained_split_1proc)["eval_accuracy"])
+    assert accumulator.Scalars("learning_rate")[-1].value == pytest.approx(0.0, abs=1e-9)  # cosine ends at 0
+
+
+def test_single_folder_layout_two_processes_learn_with_identical_replicas(trained_flat_2proc):
+    r = results(trained_flat_2proc)
+    assert r["num_processes"] == 2
+    assert r["eval_accuracy"] >= 0.9
+    assert r["eval_samples"] == 60 and r["train_size"] == 240  # --val_split 0.2 of 300
+    assert r["class_names"] == CLASS_NAMES
+    # 240 images over 2 processes x 16: 7 full batches each (drop_last), 3 epochs
+    assert r["global_step"] == r["lr_scheduler_steps"] == 3 * 7
+    assert r["samples_seen"] == 3 * 7 * 2 * 16
+    assert len(r["parameter_fingerprints"]) == 2 and len(set(r["parameter_fingerprints"])) == 1
+    assert len(set(r["buffer_fingerprints"])) == 1
+    assert sorted(p.name for p in trained_flat_2proc.iterdir() if p.name.startswith("epoch_")) == [
+        "epoch_0", "epoch_1", "epoch_2"
+    ]
+
+
+def test_val_split_is_stratified_and_the_same_every_time(flat_folder):
+    first = load_image_datasets(data_dir=flat_folder, val_split=0.2)
+    again = load_image_datasets(data_dir=flat_folder, val_split=0.2)
+    train_a, eval_a, image_column, label_column, names = first
+    assert (image_column, label_column, names) == ("image", "label", CLASS_NAMES)
+    assert len(train_a) == 240 and len(eval_a) == 60
+    assert sorted(eval_a[label_column]) == sorted(sum(([c] * 15 for c in range(4)), []))  # 15 per class
+
+    def paths(dataset):
+        return [image["path"] for image in dataset.cast_column(image_column, Image(decode=False))[image_column]]
+
+    assert paths(eval_a) == paths(again[1]) and paths(train_a) == paths(again[0])
+    assert not set(paths(eval_a)) & set(paths(train_a))
+
+
+# ---------------------------------------------------------------- exact evaluation
+
+
+def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, trained_flat_2proc, tmp_path):
+    checkpoint = trained_flat_2proc / "epoch_2"
+    trained = results(trained_flat_2proc)  # the 2-process evaluation of the same weights
+    evaluations = {2: (trained["eval_accuracy"], trained["eval_top5_accuracy"], trained["eval_loss"])}
+    for n in (1, 3):
+        out = tmp_path / f"eval_{n}"
+        train(["--data_dir", flat_folder, "--output_dir", out, "--eval_only", "--resume_from_checkpoint", checkpoint],
+              num_processes=n)
+        r = results(out)
+        assert r["num_processes"] == n
+        assert r["eval_samples"] == 60  # 60 over 3 x 16 leaves a padded last batch: dropped again
+        evaluations[n] = (r["eval_accuracy"], r["eval_top5_accuracy"], r["eval_loss"])
+    assert evaluations[1] == evaluations[2] == evaluations[3]
+
+
+# ---------------------------------------------------------------- accumulation and resume
+
+
+def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_between(split_folder, tmp_path):
+    # 128 images / (2 processes x 8) = 8 batches per process and epoch = 4 optimizer steps
+    out = tmp_path / "full"
+    common = ["--data_dir", split_folder, "--max_train_samples", "128", "--batch_size", "8", "--epochs", "2",
+              "--gradient_accumulation_steps", "2"]
+    reports = train_with_probe([*common, "--output_dir", out, "--checkpointing_steps", "3"], 2,
+                               tmp_path / "probe", count_allreduce=True)
+    r = results(out)
+    assert r["global_step"] == r["lr_scheduler_steps"] == 2 * 4
+    assert r["samples_seen"] == 2 * 128
+    # 16 backward passes per process, gradients all-reduced on 8 of them only
+    assert [rep["synced_backward_passes"] for rep in reports] == [8, 8]
+    # the optimizer's own step counter (AdamW keeps one) and the scheduler's, at step 6 = 12 batches
+    optimizer_state = torch.load(out / "step_6" / "optimizer.bin", weights_only=True)
+    assert {int(s["step"]) for s in optimizer_state["state"].values()} == {6}
+    assert torch.load(out / "step_6" / "scheduler.bin", weights_only=True)["last_epoch"] == 6
+    assert len(set(r["parameter_fingerprints"])) == 1
+
+    # Resume mid-epoch 0 (step 3 = 6 of 8 batches) with DataLoader workers this time: the
+    # augmentations are seeded per sample, so the result is bit-identical anyway.
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "step_3", resumed / "step_3")
+    reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest",
+                                "--num_workers", "2"], 2, tmp_path / "probe_resumed", count_allreduce=True)
+    rr = results(resumed)
+    assert rr["resumed_from"].endswith("step_3")
+    assert [rep["synced_backward_passes"] for rep in reports] == [5, 5]  # steps 4 to 8
+    assert (resumed / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    assert rr["global_step"] == rr["lr_scheduler_steps"] == 8 and rr["samples_seen"] == 2 * 128
+    assert rr["parameter_fingerprints"] == r["parameter_fingerprints"]
+    assert rr["train_loss"] == pytest.approx(r["train_loss"], rel=1e-12)
+    assert (rr["eval_accuracy"], rr["eval_loss"]) == (r["eval_accuracy"], r["eval_loss"])
+
+
+# ---------------------------------------------------------------- DDP switches (2 CPU processes)
+
+
+def test_ddp_comm_hook_fp16_compresses_gradients_on_gloo(split_folder, tmp_path):
+    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
+                                "--max_train_samples", "96", "--ddp_comm_hook", "fp16"], 2, tmp_path / "probe")
+    assert [rep["comm_hook"] for rep in reports] == ["fp16_compress_hook"] * 2  # as DDP itself reports it
+    r = results(tmp_path)
+    assert r["global_step"] == 3 and math.isfinite(r["train_loss"])
+    assert len(set(r["parameter_fingerprints"])) == 1  # fp16 all-reduce still leaves identical replicas
+
+
+def test_channels_last_reaches_the_convolutions(split_folder, tmp_path):
+    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
+                                "--max_train_samples", "96", "--channels_last", "--checkpointing_steps", "epoch"],
+                               2, tmp_path / "probe")
+    for rep in reports:
+        assert rep["weights_channels_last"] and rep["inputs_channels_last"] == [True]  # train and eval batches
+    r = results(tmp_path)
+    assert len(set(r["parameter_fingerprints"])) == 1 and r["eval_samples"] == 80
+    # saved weights are plain contiguous tensors, loadable without channels_last
+    assert load_file(tmp_path / "model.safetensors")["conv1.weight"].is_contiguous()
+
+
+def test_find_unused_parameters_trains_a_model_with_an_unused_head(split_folder, tmp_path):
+    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
+                                "--max_train_samples", "64", "--model", "tests.image_data:resnet_with_unused_head",
+                                "--find_unused_parameters"], 2, tmp_path / "probe")
+    assert [rep["find_unused_parameters"] for rep in reports] == [True, True]
+    r = results(tmp_path)
+    assert r["global_step"] == 2 and len(set(r["parameter_fingerprints"])) == 1
+    weights = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(weights["unused_head.weight"], torch.full((4, 512), 0.5))  # never updated
+    assert not torch.equal(weights["backbone.fc.bias"], torch.zeros(4))
+
+
+def test_unused_parameter_without_the_flag_names_the_parameters(split_folder, tmp_path):
+    proc = train(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1", "--max_train_samples", "64",
+                  "--model", "tests.image_data:resnet_with_unused_head"], num_processes=2, check=False)
+    assert_clean_user_error(proc, "unused_head.weight, unused_head.bias", "--find_unused_parameters")
+    assert "backbone" not in [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0]
+
+
+def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_path):
+    out = tmp_path / "out"
+    proc = train(["--data_dir", split_folder, "--output_dir", out, "--sync_bn"], check=False)
+    assert_clean_user_error(proc, "--sync_bn", "GPU")
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- Hub-style datasets
+
+
+def test_hub_style_dataset_with_other_column_names_is_detected(tmp_path):
+    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub
+    serves them) with CIFAR-100-like columns "img" / "fine_label" and a test split."""
+    data = make_parquet_dataset(tmp_path / "parquet")
+    out = tmp_path / "out"
+    train(["--dataset", data, "--output_dir", out, "--epochs", "1", "--max_eval_samples", "33"])
+    r = results(out)
+    assert r["eval_samples"] == 33 and r["train_size"] == 120
+    assert r["class_names"] == list(CLASSES)  # the ClassLabel's own order, not re-sorted
+    assert r["global_step"] == 120 // 16
+
+
+# ---------------------------------------------------------------- units (no launch)
+
+
+def test_data_errors_are_one_line_user_errors(tmp_path, flat_folder):
+    with pytest.raises(UserError, match="no such directory"):
+        load_image_datasets(data_dir=tmp_path / "missing")
+    (tmp_path / "flat").mkdir()
+    for i in range(3):
+        shutil.copy(next((flat_folder / CLASS_NAMES[0]).iterdir()), tmp_path / "flat" / f"{i}.jpg")
+    with pytest.raises(UserError, match="fewer than 2 class folders"):
+        load_image_datasets(data_dir=tmp_path / "flat")
+    data = make_parquet_dataset(tmp_path / "parquet", train_per_class=2, test_per_class=1)
+    with pytest.raises(UserError, match="no column 'picture'.*--image_column"):
+        load_image_datasets(dataset=str(data), image_column="picture")
+
+
+def test_augmentation_depends_only_on_seed_epoch_and_index(split_folder):
+    train_split, _, image_column, label_column, _ = load_image_datasets(data_dir=split_folder)
+    dataset = TransformedImages(train_split, train_transform(32), image_column, label_column, seed=7)
+    first, label = dataset[5]
+    assert first.shape == (3, 32, 32) and first.dtype == torch.float32 and label == train_split[5]["label"]
+    torch.rand(10)  # global RNG consumption must not matter
+    assert torch.equal(dataset[5][0], first)
+    dataset.set_epoch(1)
+    assert not torch.equal(dataset[5][0], first)
+    evaluation = TransformedImages(train_split, eval_transform(32), image_column, label_column)
+    assert torch.equal(evaluation[5][0], evaluation[5][0])
+
+
+def test_topk_accuracy_metric():
+    metric = load_metric("topk_accuracy")
+    metric.add_batch(predictions=[[0, 1, 2], [2, 1, 0], [1, 2, 0]], references=[0, 0, 3])
+    scores = metric.compute()
+    assert scores["accuracy"] == pytest.approx(1 / 3)
+    assert scores["top_k_accuracy"] == pytest.approx(2 / 3) and scores["k"] == 3
+
+
+def test_build_model_by_name_and_pretrained_head_swap(monkeypatch):
+    assert build_model("resnet18", num_classes=7).fc.out_features == 7
+    with pytest.raises(UserError, match="not a torchvision classification model"):
+        build_model("resnet19", num_classes=7)
+
+    import torchvision.models._api as api
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(api, "load_state_dict_from_url", offline)
+    with pytest.raises(UserError, match="could not fetch the torchvision weights of resnet18"):
+        build_model("resnet18", num_classes=7, pretrained=True)
+
+    imagenet_weights = build_model("resnet18", num_classes=1000).state_dict()
+    monkeypatch.setattr(api, "load_state_dict_from_url", lambda *args, **kwargs: imagenet_weights)
+    model = build_model("resnet18", num_classes=7, pretrained=True)
+    assert model.fc.out_features == 7
+    assert torch.equal(model.conv1.weight, imagenet_weights["conv1.weight"])
+
+
+def test_sync_batchnorm_conversion_replaces_every_batchnorm():
+    model = build_model("resnet18", num_classes=4)
+    model(torch.randn(4, 3, 32, 32))  # non-trivial running statistics
+    before = model.state_dict()
+    converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    kinds = [type(m) for m in converted.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert len(kinds) == 20 and set(kinds) == {torch.nn.SyncBatchNorm}
+    after = converted.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_unused_parameter_diagnosis_names_exactly_the_unused_ones():
+    model = ResNetWithUnusedHead(num_classes=4)
+    assert parameters_without_gradient(model, torch.randn(2, 3, 32, 32)) == ["unused_head.weight", "unused_head.bias"]
+    assert all(p.grad is None for p in model.parameters())  # the original model is untouched
+    assert parameters_without_gradient(build_model("resnet18", 4), torch.randn(2, 3, 32, 32)) == []
+    assert is_unused_parameter_error(RuntimeError(
+        "Expected to have finished reduction in the prior iteration before starting a new one. This error indicates "
+        "that your module has parameters that were not used in producing loss."))
+    assert not is_unused_parameter_error(RuntimeError("CUDA out of memory"))
+
+
+# ---------------------------------------------------------------- GPU only (skipped in CI)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm across ranks needs 2+ GPUs; CPU DDP refuses SyncBatchNorm and CI has no GPU")
+def test_sync_bn_computes_statistics_over_the_global_batch(split_folder, tmp_path):
+    fingerprints = {}
+    for flag in ([], ["--sync_bn"]):
+        out = tmp_path / ("sync" if flag else "local")
+        run([*launcher_args(2), SCRIPT, *FAST, "--data_dir", split_folder, "--output_dir", out, "--epochs", "1", *flag])
+        r = results(out)
+        assert r["num_processes"] == 2 and len(set(r["buffer_fingerprints"])) == 1
+        fingerprints[bool(flag)] = r["buffer_fingerprints"][0]
+    # rank 0's statistics come from its own slice without --sync_bn, from both slices with it
+    assert fingerprints[True] != fingerprints[False]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16/bf16 ResNet-50 throughput needs a CUDA GPU; CI has none")
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_resnet50_mixed_precision_on_gpu(precision, tmp_path):
+    data = make_split_image_folder(tmp_path / "data", train_per_class=128, val_per_class=16)
+    out = tmp_path / "out"
+    run([*launcher_args(1), SCRIPT, "--data_dir", data, "--output_dir", out, "--model", "resnet50", "--image_size", "224",
+         "--batch_size", "64", "--epochs", "2", "--mixed_precision", precision, "--channels_last", "--num_workers", "4"])
+    r = results(out)
+    assert r["mixed_precision"] == precision and math.isfinite(r["train_loss"])
+    print(f"resnet50 {precision}: {r['train_samples_per_second']:.0f} img/s")
