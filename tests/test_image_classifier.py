@@ -145,7 +145,7 @@ def test_val_split_is_stratified_and_the_same_every_time(flat_folder):
 def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, trained_flat_2proc, tmp_path):
     checkpoint = trained_flat_2proc / "epoch_2"
     trained = results(trained_flat_2proc)  # the 2-process evaluation of the same weights
-    evaluations = {2: (trained["eval_accuracy"], trained["eval_top5_accuracy"], trained["eval_loss"])}
+    evaluations = {2: trained}
     for n in (1, 3):
         out = tmp_path / f"eval_{n}"
         train(["--data_dir", flat_folder, "--output_dir", out, "--eval_only", "--resume_from_checkpoint", checkpoint],
@@ -153,8 +153,16 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
         r = results(out)
         assert r["num_processes"] == n
         assert r["eval_samples"] == 60  # 60 over 3 x 16 leaves a padded last batch: dropped again
-        evaluations[n] = (r["eval_accuracy"], r["eval_top5_accuracy"], r["eval_loss"])
-    assert evaluations[1] == evaluations[2] == evaluations[3]
+        evaluations[n] = r
+    # The same samples, counted once each: identical accuracies whatever the number of processes.
+    assert {(r["eval_accuracy"], r["eval_top5_accuracy"]) for r in evaluations.values()} == {
+        (trained["eval_accuracy"], trained["eval_top5_accuracy"])
+    }
+    # The loss agrees to float32 rounding only: the last batch is padded to 16 images on some
+    # processes and holds 12 on others, and the CPU matrix multiply of the final Linear layer
+    # rounds differently for different batch sizes (every convolution here is batch-size invariant).
+    for r in evaluations.values():
+        assert r["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
 
 
 # ---------------------------------------------------------------- accumulation and resume
