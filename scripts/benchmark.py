@@ -1,0 +1,411 @@
+#!/usr/bin/env python
+"""Benchmark Accelerate against plain PyTorch, raw DDP and nn.DataParallel, each run in its own process.
+
+    python scripts/benchmark.py --data_dir path/to/MNIST/raw --output_dir my_benchmark
+    python scripts/benchmark.py --models resnet50 --precisions fp32,fp16,bf16 --num_processes 1,8 --channels_last
+    python scripts/benchmark.py --quick --data_dir path/to/MNIST/raw      # a smoke test, as CI runs it
+
+Every combination of --models x --data_paths x --methods x --precisions x --num_processes runs
+as its own subprocess, launched the way users launch it (python, torchrun, accelerate launch).
+The combinations run interleaved, in a new order in each of --repeats rounds, so that a slow
+minute on a shared machine hurts every method alike; each figure is the median over rounds.
+Combinations this machine cannot run (fp16 on a CPU, DataParallel without 2 GPUs, more
+processes than GPUs) are reported as skipped, with the reason.
+
+What runs: MNIST with the DataLoader is timed with the scripts users copy, as they are
+(scripts/train_mnist.py and scripts/baselines/*_mnist.py); ResNets on synthetic images and
+the on-device fast path (--data_paths device) run scripts/benchmark_train.py, one loop that
+differs between methods only where the methods differ.
+
+Reported per combination: steady-state training samples/s of all processes together (the
+first 10 batches of each process are warm-up and excluded), time per epoch, peak memory of
+the largest process (GPU: max allocated; CPU: max resident set), final eval accuracy where
+the data is real, and the ratio of samples/s to raw DDP in the same setting (median over
+rounds of the per-round ratio). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with
+the machine, versions, the command and every single run), throughput.png, scaling.png.
+"""
+
+import argparse
+import csv
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
+from utils.benchmarking import machine_facts, summarize  # noqa: E402
+from utils.data import load_mnist  # noqa: E402
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.flags import ArgumentParser, positive_int  # noqa: E402
+from utils.results import write_json_atomically  # noqa: E402
+
+METHODS = ("plain", "ddp", "dataparallel", "accelerate")
+PRECISIONS = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # our names -> --mixed_precision
+MODELS = ("mnist", "resnet18", "resnet50")
+DATA_PATHS = ("dataloader", "device")
+MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
+    "plain": REPO / "scripts" / "baselines" / "plain_mnist.py",
+    "ddp": REPO / "scripts" / "baselines" / "ddp_mnist.py",
+    "dataparallel": REPO / "scripts" / "baselines" / "dataparallel_mnist.py",
+    "accelerate": REPO / "scripts" / "train_mnist.py",
+}
+BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
+CSV_COLUMNS = (
+    "model", "data_path", "method", "precision", "num_processes", "status", "reason", "runs",
+    "samples_per_second", "samples_per_second_min", "samples_per_second_max", "time_per_epoch_s",
+    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max", "command",
+)
+# --quick: small enough for CI on 2 CPU cores, large enough for steady state after warm-up.
+QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
+             image_size=32, synthetic_samples=512)
+FULL = dict(epochs=3, batch_size=64, max_train_samples=None, max_eval_samples=None, repeats=3,
+            image_size=224, synthetic_samples=2560)
+
+
+def comma_list(choices):
+    def parse(text):
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        wrong = [v for v in values if v not in choices]
+        if wrong or not values:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices)}; got {text!r}")
+        return values
+    return parse
+
+
+def process_counts(text):
+    try:
+        return [positive_int(v) for v in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers; got {text!r}") from None
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--methods", type=comma_list(METHODS), default=list(METHODS), help=",".join(METHODS))
+    what.add_argument("--precisions", type=comma_list(tuple(PRECISIONS)), default=list(PRECISIONS), help="fp32,fp16,bf16")
+    what.add_argument("--num_processes", type=process_counts, default=[1, 2],
+                      help="processes per run (GPUs for DataParallel, which drives them from one process)")
+    what.add_argument("--models", type=comma_list(MODELS), default=["mnist"],
+                      help="mnist: the ConvNet on MNIST; resnet18/resnet50: synthetic 1000-class images")
+    what.add_argument("--data_paths", type=comma_list(DATA_PATHS), default=list(DATA_PATHS),
+                      help="dataloader: DataLoader + sampler; device: the whole set as one tensor on the device")
+    what.add_argument("--repeats", type=positive_int, default=None, help=f"rounds over all combinations (default {FULL['repeats']}; --quick {QUICK['repeats']})")
+    what.add_argument("--quick", action="store_true", help="tiny runs for CI: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    what.add_argument("--cpu", action="store_true", help="CPU processes even if GPUs are present")
+
+    train = parser.add_argument_group("training (the same for every run)")
+    train.add_argument("--data_dir", default=None, help="MNIST IDX files; default: ylecun/mnist from the Hub")
+    for name in ("epochs", "batch_size", "max_train_samples", "max_eval_samples", "image_size", "synthetic_samples"):
+        train.add_argument(f"--{name}", type=positive_int, default=None,
+                           help=f"default {FULL[name]}; --quick {QUICK[name]}" + (" (per process)" if name == "batch_size" else ""))
+    train.add_argument("--seed", type=int, default=42)
+    train.add_argument("--channels_last", action="store_true", help="ResNets: NHWC memory format")
+    train.add_argument("--compile", action="store_true", help="ResNets and the fast path: torch.compile")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, benchmark.json, *.png")
+    out.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take")
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+@dataclass(frozen=True)
+class Combination:
+    model: str
+    data_path: str
+    method: str
+    precision: str
+    num_processes: int
+
+    def label(self):
+        return f"{self.model}/{self.data_path}/{self.method}/{self.precision}/{self.num_processes}p"
+
+    def baseline(self):
+        """Raw DDP in the same setting: the reference every ratio is taken against."""
+        return Combination(self.model, self.data_path, "ddp", self.precision, self.num_processes)
+
+
+def skip_reason(combo, on_cpu: bool, num_gpus: int):
+    """Why this machine cannot run `combo`, or None."""
+    if combo.method == "plain" and combo.num_processes > 1:
+        return "plain PyTorch is one process"
+    if combo.method == "dataparallel":
+        if on_cpu or num_gpus < 2:
+            return f"nn.DataParallel needs 2 or more GPUs; this run has {0 if on_cpu else num_gpus}"
+        if combo.num_processes < 2:
+            return "nn.DataParallel on one GPU is plain training"
+    if combo.precision == "fp16" and on_cpu:
+        return "fp16 needs a CUDA GPU (on the CPU Accelerate silently trains fp32; the baselines refuse it)"
+    if not on_cpu and combo.num_processes > num_gpus:
+        return f"{combo.num_processes} processes need {combo.num_processes} GPUs; this machine has {num_gpus}"
+    return None
+
+
+def command_for(combo, args, on_cpu: bool, output_dir: Path) -> list:
+    """The command line of one run: launcher, script, flags."""
+    mixed_precision = PRECISIONS[combo.precision]
+    if combo.model == "mnist" and combo.data_path == "dataloader":
+        script, script_args = MNIST_SCRIPTS[combo.method], []
+    else:
+        script = BENCHMARK_TRAIN
+        script_args = ["--method", combo.method, "--model", "convnet" if combo.model == "mnist" else combo.model]
+        if combo.data_path == "device":
+            script_args.append("--data_on_device")
+        if combo.model != "mnist":
+            script_args += ["--image_size", args.image_size, "--synthetic_samples", args.synthetic_samples]
+            if args.channels_last:
+                script_args.append("--channels_last")
+        if args.compile:
+            script_args.append("--compile")
+    if combo.model == "mnist":
+        if args.data_dir is not None:
+            script_args += ["--data_dir", args.data_dir]
+        for name in ("max_train_samples", "max_eval_samples"):
+            if getattr(args, name) is not None:
+                script_args += [f"--{name}", getattr(args, name)]
+    script_args += ["--epochs", args.epochs, "--batch_size", args.batch_size, "--seed", args.seed,
+                    "--mixed_precision", mixed_precision, "--output_dir", output_dir]
+    if on_cpu:
+        script_args.append("--cpu")
+
+    n = combo.num_processes
+    if combo.method in ("plain", "dataparallel"):
+        launcher = [sys.executable]
+    elif combo.method == "ddp":
+        # --standalone: a rendezvous on a free local port, so runs never collide
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n]
+    else:
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", 1, "--num_processes", n,
+                    "--mixed_precision", mixed_precision, "--dynamo_backend", "no"]
+        if n > 1:
+            launcher += ["--multi_gpu", "--main_process_port", 0]  # port 0: a free port
+    return [str(word) for word in (*launcher, script, *script_args)]
+
+
+def run_environment(combo, on_cpu: bool) -> dict:
+    env = dict(os.environ)
+    if on_cpu:
+        # Every method gets the same share of the cores (torchrun and accelerate launch
+        # would otherwise choose different thread counts).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // combo.num_processes))
+    if combo.method == "dataparallel":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(combo.num_processes))
+    return env
+
+
+def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
+    cmd = command_for(combo, args, on_cpu, run_dir / "out")
+    record = {**asdict(combo), "command": shlex.join(cmd)}
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
+                              env=run_environment(combo, on_cpu))
+    except subprocess.TimeoutExpired:
+        return {**record, "status": "failed", "reason": f"timed out after {args.timeout} s"}
+    (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
+    results_file = run_dir / "out" / "results.json"
+    if proc.returncode != 0 or not results_file.is_file():
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        ours = [line for line in lines if line.startswith("error: ")]
+        reason = (ours or lines or [f"exit status {proc.returncode}"])[-1]
+        return {**record, "status": "failed", "reason": reason[:300]}
+    results = json.loads(results_file.read_text())
+    gpus_used = results.get("num_gpus", results["num_processes"])
+    if gpus_used != combo.num_processes:
+        return {**record, "status": "failed", "reason": f"ran on {gpus_used} processes, not {combo.num_processes}"}
+    return {
+        **record, "status": "ok", "reason": "",
+        "samples_per_second": results["train_samples_per_second"],
+        "time_per_epoch_s": results["train_time_s"] / results["epochs"],
+        "peak_memory_mb": results["peak_memory_mb"],
+        "eval_accuracy": results.get("eval_accuracy") if combo.model == "mnist" else None,
+        "eval_samples": results.get("eval_samples") if combo.model == "mnist" else None,
+    }
+
+
+def summarize_combination(combo, runs_by_round, skipped_reason):
+    """One table row from all rounds of one combination."""
+    row = {column: None for column in CSV_COLUMNS}
+    row.update(asdict(combo), status="skipped", reason=skipped_reason or "", runs=0, command="")
+    if skipped_reason:
+        return row
+    mine = [runs[combo] for runs in runs_by_round if combo in runs]
+    ok = [r for r in mine if r["status"] == "ok"]
+    row["command"] = mine[0]["command"] if mine else ""
+    row["runs"] = len(ok)
+    if not ok:
+        row.update(status="failed", reason=mine[-1]["reason"] if mine else "")
+        return row
+    row["status"] = "ok" if len(ok) == len(mine) else "partly failed"
+    row["reason"] = "" if len(ok) == len(mine) else next(r["reason"] for r in mine if r["status"] != "ok")
+    speed = summarize(r["samples_per_second"] for r in ok)
+    row.update(samples_per_second=speed["median"], samples_per_second_min=speed["min"], samples_per_second_max=speed["max"])
+    row["time_per_epoch_s"] = summarize(r["time_per_epoch_s"] for r in ok)["median"]
+    row["peak_memory_mb"] = max(r["peak_memory_mb"] for r in ok)
+    row["eval_accuracy"] = summarize(r["eval_accuracy"] for r in ok)["median"]
+    row["eval_samples"] = ok[0]["eval_samples"]
+    # The ratio to DDP is taken within each round, then the median over rounds: both runs of a
+    # pair saw the machine in the same state.
+    ratios = []
+    for runs in runs_by_round:
+        mine_now, ddp_now = runs.get(combo), runs.get(combo.baseline())
+        if mine_now and ddp_now and mine_now["status"] == ddp_now["status"] == "ok" and ddp_now["samples_per_second"]:
+            ratios.append(mine_now["samples_per_second"] / ddp_now["samples_per_second"])
+    ratio = summarize(ratios)
+    row.update(ratio_to_ddp=ratio["median"], ratio_to_ddp_min=ratio["min"], ratio_to_ddp_max=ratio["max"])
+    return row
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_COLUMNS})
+
+
+def plot(rows, output_dir: Path):
+    """throughput.png: samples/s by method and precision; scaling.png: by process count."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r["samples_per_second"] is not None]
+    colors = {method: f"C{i}" for i, method in enumerate(METHODS)}
+
+    # Throughput: one panel per model, data path and process count; bars grouped by precision.
+    panels = sorted({(r["model"], r["data_path"], r["num_processes"]) for r in measured})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.5 * max(1, len(panels)), 4), squeeze=False)
+    for ax, (model, data_path, n) in zip(axes[0], panels):
+        here = [r for r in measured if (r["model"], r["data_path"], r["num_processes"]) == (model, data_path, n)]
+        precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in here)]
+        methods = [m for m in METHODS if any(r["method"] == m for r in here)]
+        width = 0.8 / len(methods)
+        for j, method in enumerate(methods):
+            for i, precision in enumerate(precisions):
+                row = next((r for r in here if (r["method"], r["precision"]) == (method, precision)), None)
+                if row is None:
+                    continue
+                x = i + (j - (len(methods) - 1) / 2) * width
+                error = [[row["samples_per_second"] - row["samples_per_second_min"]],
+                         [row["samples_per_second_max"] - row["samples_per_second"]]]
+                ax.bar(x, row["samples_per_second"], width, yerr=error, color=colors[method],
+                       label=method if i == 0 else None, capsize=2)
+        ax.set_xticks(range(len(precisions)), precisions)
+        ax.set_title(f"{model}, {data_path}, {n} process{'es' if n > 1 else ''}", fontsize=10)
+        ax.set_ylabel("training samples/s (median, min-max)")
+        ax.legend(fontsize=8)
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
+    fig.tight_layout()
+    fig.savefig(output_dir / "throughput.png", dpi=100)
+    plt.close(fig)
+
+    # Scaling: one panel per model and data path; a line per method and precision.
+    panels = sorted({(r["model"], r["data_path"]) for r in measured})
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
+    for ax, (model, data_path) in zip(axes[0], panels):
+        here = [r for r in measured if (r["model"], r["data_path"]) == (model, data_path)]
+        for method in METHODS:
+            for k, precision in enumerate(PRECISIONS):
+                line = sorted((r["num_processes"], r["samples_per_second"]) for r in here
+                              if (r["method"], r["precision"]) == (method, precision))
+                if line:
+                    ax.plot(*zip(*line), marker="os^"[k], linestyle=["-", "--", ":"][k], color=colors[method],
+                            label=f"{method} {precision}")
+        ax.set_xticks(sorted({r["num_processes"] for r in here}))
+        ax.set_xlabel("processes (GPUs for DataParallel)")
+        ax.set_ylabel("training samples/s, all processes")
+        ax.set_title(f"{model}, {data_path}", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    if not panels:
+        axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
+    fig.tight_layout()
+    fig.savefig(output_dir / "scaling.png", dpi=100)
+    plt.close(fig)
+
+
+def print_table(rows):
+    print(f"{'combination':<40} {'status':<8} {'samples/s':>10} {'s/epoch':>8} {'MB':>7} {'acc':>7} {'÷ddp':>6}")
+    for r in rows:
+        def fmt(value, spec):
+            return format(value, spec) if value is not None else "-"
+        label = Combination(*(r[k] for k in ("model", "data_path", "method", "precision", "num_processes"))).label()
+        print(f"{label:<40} {r['status']:<8} {fmt(r.get('samples_per_second'), '10.0f')} "
+              f"{fmt(r.get('time_per_epoch_s'), '8.2f')} {fmt(r.get('peak_memory_mb'), '7.0f')} "
+              f"{fmt(r.get('eval_accuracy'), '7.4f')} {fmt(r.get('ratio_to_ddp'), '6.3f')}"
+              + (f"  ({r['reason']})" if r["reason"] else ""))
+
+
+def main(args):
+    on_cpu = args.cpu or not torch.cuda.is_available()
+    num_gpus = 0 if on_cpu else torch.cuda.device_count()
+    output_dir = Path(args.output_dir)
+    if "mnist" in args.models:
+        load_mnist(args.data_dir)  # fails here, once, with the fix, if the data is missing; warms the Hub cache
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+
+    combinations = [
+        Combination(model, data_path, method, precision, n)
+        for model in args.models for data_path in args.data_paths for method in args.methods
+        for precision in args.precisions for n in args.num_processes
+    ]
+    skipped = {c: skip_reason(c, on_cpu, num_gpus) for c in combinations}
+    runnable = [c for c in combinations if skipped[c] is None]
+    runs_by_round = []  # one {combination: run record} per round
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch, \
+            tqdm(total=len(runnable) * args.repeats, desc="benchmark", unit="run") as progress:
+        for round_index in range(args.repeats):
+            order = list(runnable)
+            random.Random(args.seed + round_index).shuffle(order)  # interleaved, a new order every round
+            runs = {}
+            for k, combo in enumerate(order):
+                progress.set_postfix_str(combo.label())
+                run_dir = Path(scratch) / f"round{round_index}_{k}"
+                run_dir.mkdir()
+                runs[combo] = {**run_one(combo, args, on_cpu, run_dir), "round": round_index}
+                progress.update(1)
+            runs_by_round.append(runs)
+
+    rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
+    write_csv(output_dir / "benchmark.csv", rows)
+    write_json_atomically(output_dir / "benchmark.json", {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "machine": machine_facts(),
+        "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
+        "threads_per_process": "cores / processes (OMP_NUM_THREADS)" if on_cpu else None,
+        "settings": {k: v for k, v in vars(args).items()},
+        "rows": rows,
+        "runs": [run for runs in runs_by_round for run in runs.values()],
+    })
+    plot(rows, output_dir)
+    print_table(rows)
+    print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, throughput.png, scaling.png")
+    failed = [r for r in rows if r["status"] in ("failed", "partly failed")]
+    if failed:
+        raise UserError(f"{len(failed)} combination(s) failed (first: {Combination(*(failed[0][k] for k in ('model', 'data_path', 'method', 'precision', 'num_processes'))).label()}: "
+                        f"{failed[0]['reason']}); the reasons are in {output_dir / 'benchmark.csv'}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UserError as err:
+        exit_with_error(err)
