@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
-from utils.errors import UserError, check_process_group, exit_with_error  # noqa: E402
+from utils.errors import UserError, check_accelerator, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, positive_int  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     dist.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over the global batch (SyncBatchNorm; GPUs only)")
     dist.add_argument("--find_unused_parameters", action="store_true", help="let DDP handle parameters that get no gradient (slower)")
     dist.add_argument("--ddp_comm_hook", choices=["fp16", "bf16", "power_sgd"], default=None,
-                      help="compress gradients for the all-reduce (fp16 works on gloo; bf16 needs NCCL)")
+                      help="compress gradients for the all-reduce: fp16/bf16 send half the bytes; power_sgd low-rank after 1000 plain steps")
     dist.add_argument("--channels_last", action="store_true", help="NHWC memory format: faster convolutions on tensor cores")
     dist.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args(argv)
@@ -144,7 +144,7 @@ def main(args):
         log_with="tensorboard" if args.with_tracking else None,
         project_dir=args.output_dir,
     )
-    check_process_group(accelerator)
+    check_accelerator(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     if args.sync_bn and accelerator.device.type != "cuda":
@@ -286,8 +286,8 @@ def main(args):
                 except RuntimeError as err:
                     if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
                         unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
-                        raise UserError(f"DDP: these parameters get no gradient: {', '.join(unused) or '(none found in a single-process pass)'}; "
-                                        f"pass --find_unused_parameters, or remove them from the model (faster)") from None
+                        raise UserError(f"DDP stopped: the loss does not depend on these parameters: {', '.join(unused) or '(none found in one pass)'}; "
+                                        f"pass --find_unused_parameters (slower), or remove them from the model") from None
                     raise
                 loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                 accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses

@@ -206,13 +206,14 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
 # ---------------------------------------------------------------- DDP switches (2 CPU processes)
 
 
-def test_ddp_comm_hook_fp16_compresses_gradients_on_gloo(split_folder, tmp_path):
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_ddp_comm_hook_compresses_gradients_on_gloo(precision, split_folder, tmp_path):
     reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "96", "--ddp_comm_hook", "fp16"], 2, tmp_path / "probe")
-    assert [rep["comm_hook"] for rep in reports] == ["fp16_compress_hook"] * 2  # as DDP itself reports it
+                                "--max_train_samples", "96", "--ddp_comm_hook", precision], 2, tmp_path / "probe")
+    assert [rep["comm_hook"] for rep in reports] == [f"{precision}_compress_hook"] * 2  # as DDP itself reports it
     r = results(tmp_path)
     assert r["global_step"] == 3 and math.isfinite(r["train_loss"])
-    assert len(set(r["parameter_fingerprints"])) == 1  # fp16 all-reduce still leaves identical replicas
+    assert len(set(r["parameter_fingerprints"])) == 1  # the compressed all-reduce still leaves identical replicas
 
 
 def test_channels_last_reaches_the_convolutions(split_folder, tmp_path):
@@ -309,6 +310,9 @@ def test_build_model_by_name_and_pretrained_head_swap(monkeypatch):
     assert build_model("resnet18", num_classes=7).fc.out_features == 7
     with pytest.raises(UserError, match="not a torchvision classification model"):
         build_model("resnet19", num_classes=7)
+    googlenet = build_model("googlenet", num_classes=7).train()  # auxiliary heads dropped: one output, all used
+    assert googlenet(torch.randn(2, 3, 64, 64)).shape == (2, 7)
+    assert parameters_without_gradient(googlenet, torch.randn(2, 3, 64, 64)) == []
 
     import torchvision.models._api as api
 
@@ -367,7 +371,7 @@ def test_sync_bn_computes_statistics_over_the_global_batch(split_folder, tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16/bf16 ResNet-50 throughput needs a CUDA GPU; CI has none")
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_resnet50_mixed_precision_on_gpu(precision, tmp_path):
-    data = make_split_image_folder(tmp_path / "data", train_per_class=128, val_per_class=16)
+    data = make_split_image_folder(tmp_path / "data", train_per_class=256, val_per_class=16)
     out = tmp_path / "out"
     run([*launcher_args(1), SCRIPT, "--data_dir", data, "--output_dir", out, "--model", "resnet50", "--image_size", "224",
          "--batch_size", "64", "--epochs", "2", "--mixed_precision", precision, "--channels_last", "--num_workers", "4"])

@@ -170,13 +170,26 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
         raise UserError(f"--model {name}: not a torchvision classification model; choose one of e.g. "
                         f"resnet18, resnet50, efficientnet_b0, convnext_tiny (all: torchvision.models.list_models())")
     if not pretrained:
-        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    try:
-        model = torchvision.models.get_model(name, weights="DEFAULT")  # downloaded once to ~/.cache/torch
-    except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-        raise UserError(f"--pretrained: could not fetch the torchvision weights of {name} ({type(err).__name__}); "
-                        f"run once with internet access (they are cached under $TORCH_HOME) or train from scratch without --pretrained") from None
-    return replace_classifier(model, num_classes)
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    else:
+        try:
+            model = torchvision.models.get_model(name, weights="DEFAULT")  # downloaded once to ~/.cache/torch
+        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
+            raise UserError(f"--pretrained: could not fetch the torchvision weights of {name} ({type(err).__name__}); "
+                            f"run once with internet access (they are cached under $TORCH_HOME) or train from scratch without --pretrained") from None
+        model = replace_classifier(model, num_classes)
+    return drop_auxiliary_heads(model)
+
+
+def drop_auxiliary_heads(model: nn.Module) -> nn.Module:
+    """GoogLeNet and Inception v3 return extra auxiliary logits in training mode; keep the main output only
+    (unused auxiliary heads would also trip DDP's unused-parameter check)."""
+    if getattr(model, "aux_logits", False):
+        model.aux_logits = False
+        for head in ("aux1", "aux2", "AuxLogits"):
+            if hasattr(model, head):
+                setattr(model, head, None)
+    return model
 
 
 def replace_classifier(model: nn.Module, num_classes: int) -> nn.Module:
