@@ -1,0 +1,112 @@
+"""The baselines (scripts/baselines/) train what train_mnist.py trains, as well, and exactly."""
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, launch, requires_mnist_10k, results,
+                     run)
+from safetensors.torch import load_file
+
+from utils.data import load_mnist_idx, to_tensor_dataset
+from utils.models import ConvNet
+
+BASELINES = REPO / "scripts" / "baselines"
+PLAIN, DDP, DATAPARALLEL = (BASELINES / f"{name}_mnist.py" for name in ("plain", "ddp", "dataparallel"))
+
+
+def torchrun(script, args, nproc: int, **kwargs):
+    """torchrun as users type it; --standalone picks a free port, so parallel tests never collide."""
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", nproc,
+                script, "--cpu", *args], **kwargs)
+
+
+def evaluate_saved_model(output_dir, max_eval_samples=None):
+    """Correct predictions and mean loss of model.safetensors, in one plain process."""
+    model = ConvNet()
+    model.load_state_dict(load_file(output_dir / "model.safetensors"))
+    model.eval()
+    images, labels = to_tensor_dataset(*load_mnist_idx(MNIST_10K)["test"], max_samples=max_eval_samples).tensors
+    with torch.no_grad():
+        logits = torch.cat([model(batch) for batch in images.split(64)])
+    correct = (logits.argmax(-1) == labels).sum().item()
+    return correct, F.cross_entropy(logits, labels, reduction="none").double().mean().item()
+
+
+@requires_mnist_10k
+def test_plain_reaches_98_percent_like_train_mnist(tmp_path):
+    # One thread, as accelerate launch gives the Accelerate script (and quicker on a busy CI machine).
+    run([sys.executable, PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", tmp_path], env={"OMP_NUM_THREADS": "1"})
+    r = results(tmp_path)
+    assert r["method"] == "plain" and r["num_processes"] == 1 and r["mixed_precision"] == "no"
+    assert r["eval_accuracy"] >= 0.98
+    assert r["eval_samples"] == 2000
+    assert r["global_step"] == 3 * math.ceil(8000 / 64) == 375
+    assert r["samples_seen"] == 3 * 8000
+    assert 0 < r["train_loss"] < 0.2 and 0 < r["eval_loss"] < 0.1
+    assert r["train_samples_per_second"] > 0 and r["train_time_s"] > 0 and r["peak_memory_mb"] > 50
+    correct, loss = evaluate_saved_model(tmp_path)
+    assert correct == round(r["eval_accuracy"] * 2000)
+    assert loss == pytest.approx(r["eval_loss"], rel=1e-6)
+
+
+@requires_mnist_10k
+def test_raw_ddp_on_2_processes_reaches_97_5_percent_with_exact_eval(tmp_path):
+    # 1,999 eval samples: DistributedSampler would pad them to 2,000; the script must not.
+    torchrun(DDP, ["--data_dir", MNIST_10K, "--output_dir", tmp_path, "--max_eval_samples", "1999"], nproc=2)
+    r = results(tmp_path)
+    assert r["method"] == "ddp" and r["num_processes"] == 2
+    assert r["eval_accuracy"] >= 0.975
+    assert r["eval_samples"] == 1999
+    # 8,000 samples: 4,000 per process, 63 batches of up to 64 (DistributedSampler pads nothing here).
+    assert r["global_step"] == 3 * 63
+    assert r["samples_seen"] == 3 * 8000
+    assert len(r["parameter_fingerprints"]) == 2 and len(set(r["parameter_fingerprints"])) == 1
+    assert len(set(r["buffer_fingerprints"])) == 1, "BatchNorm statistics differ between ranks at evaluation"
+    # The all_reduce'd evaluation equals the saved weights evaluated in one process.
+    correct, loss = evaluate_saved_model(tmp_path, max_eval_samples=1999)
+    assert correct == round(r["eval_accuracy"] * 1999)
+    assert loss == pytest.approx(r["eval_loss"], rel=1e-6)
+
+
+def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(synthetic_mnist, tmp_path):
+    """Same seed, same initial weights, same shuffle (seed + epoch), same schedule: the
+    baseline is the same training, so the comparison in the benchmark is fair."""
+    args = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16"]
+    # accelerate launch gives a CPU process one thread; so does this torchrun (float sums
+    # depend on how many threads share them).
+    torchrun(DDP, [*args, "--output_dir", tmp_path / "ddp"], nproc=1, env={"OMP_NUM_THREADS": "1"})
+    launch([*args, "--output_dir", tmp_path / "accelerate"], num_processes=1, script=TRAIN_MNIST)
+    ddp, accelerate = results(tmp_path / "ddp"), results(tmp_path / "accelerate")
+    assert ddp["parameter_fingerprints"] == accelerate["parameter_fingerprints"]
+    assert ddp["global_step"] == accelerate["global_step"] == 2 * 40
+    for key in ("eval_accuracy", "eval_loss", "eval_samples", "samples_seen"):
+        assert ddp[key] == accelerate[key], key
+    assert ddp["train_loss"] == pytest.approx(accelerate["train_loss"], rel=1e-12)
+    assert accelerate["eval_accuracy"] >= 0.9  # and it learned something (chance is 0.1)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs, so DataParallel would train")
+def test_dataparallel_without_two_gpus_exits_with_one_clear_line(tmp_path):
+    proc = run([sys.executable, DATAPARALLEL, "--data_dir", tmp_path, "--output_dir", tmp_path / "out"], check=False)
+    assert_clean_user_error(proc, "nn.DataParallel needs 2 or more CUDA GPUs", "plain_mnist.py")
+    assert proc.returncode == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_user_errors_of_the_baselines(synthetic_mnist, tmp_path):
+    # ddp_mnist.py needs torchrun ...
+    proc = run([sys.executable, DDP, "--cpu", "--data_dir", synthetic_mnist, "--output_dir", tmp_path / "a"],
+               check=False)
+    assert_clean_user_error(proc, "torchrun --nproc_per_node")
+    # ... fp16 needs a GPU (Accelerate would silently train fp32 on the CPU) ...
+    proc = run([sys.executable, PLAIN, "--cpu", "--mixed_precision", "fp16", "--data_dir", synthetic_mnist,
+                "--output_dir", tmp_path / "b"], check=False)
+    assert_clean_user_error(proc, "--mixed_precision fp16 needs a CUDA GPU")
+    # ... and a shared flag the baselines leave out is refused, not ignored.
+    proc = run([sys.executable, PLAIN, "--cpu", "--checkpointing_steps", "epoch", "--output_dir", tmp_path / "c"],
+               check=False)
+    assert_clean_user_error(proc, "--checkpointing_steps", "scripts/train_mnist.py")
+    assert not any((tmp_path / name).exists() for name in "abc")
