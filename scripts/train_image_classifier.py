@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a torchvision image classifier (ResNet-18/50, ...) on an image folder or a Hub dataset with Hugging Face Accelerate.
+"""Train a torchvision image classifier (ResNet-18/50, ...) on an image folder or Hub dataset with Accelerate.
 
     accelerate launch scripts/train_image_classifier.py --data_dir flower_photos        # DIR/<class>/*.jpg
     accelerate launch scripts/train_image_classifier.py --data_dir imagenet --model resnet50 --epochs 90
@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
-from utils.errors import UserError, check_accelerator, exit_with_error  # noqa: E402
+from utils.errors import UserError, check_accelerator, check_enough_devices, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, positive_int  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
@@ -55,31 +55,37 @@ def parse_args(argv=None):
 
     data = parser.add_argument_group("image data (one of --data_dir, --dataset)")
     source = data.add_mutually_exclusive_group(required=True)
-    source.add_argument("--data_dir", help="image folder: DIR/<class>/* (split by --val_split) or DIR/train/<class>/* and DIR/val/<class>/*")
-    source.add_argument("--dataset", help="Hugging Face Hub dataset with an image and a label column, e.g. uoft-cs/cifar10")
+    source.add_argument(
+        "--data_dir", help="image folder: DIR/<class>/* (split by --val_split), or DIR/train/<class>/* + DIR/val/..."
+    )
+    source.add_argument("--dataset", help="Hugging Face Hub dataset with image and label columns, e.g. uoft-cs/cifar10")
     data.add_argument("--dataset_config", default=None, help="configuration name of --dataset, if it has several")
     data.add_argument("--image_column", default=None, help="default: the dataset's Image column")
     data.add_argument("--label_column", default=None, help="default: the dataset's ClassLabel column")
-    data.add_argument("--val_split", type=float, default=0.2, help="fraction held out for evaluation when there is no val split")
+    data.add_argument("--val_split", type=float, default=0.2, help="fraction held out when there is no val split")
     data.add_argument("--image_size", type=positive_int, default=224, help="side of the square crops fed to the model")
-    data.add_argument("--num_workers", type=int, default=4, help="DataLoader worker processes per training process (decode + augment)")
+    data.add_argument("--num_workers", type=int, default=4, help="DataLoader processes per process (decode, augment)")
 
     model = parser.add_argument_group("model and optimisation")
-    model.add_argument("--model", default="resnet18", help="torchvision model name (resnet18, resnet50, ...) or module:function(num_classes)")
-    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights (downloaded once)")
-    model.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
-                       help="sgd: momentum, lr 0.1, weight decay 1e-4; adamw: lr 1e-3, weight decay 0.05 (unless given)")
+    model.add_argument("--model", default="resnet18", help="torchvision model name, or module:function(num_classes)")
+    model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
+    model.add_argument(
+        "--optimizer", choices=["sgd", "adamw"], default="sgd",
+        help="sgd (momentum): lr 0.1, weight decay 1e-4; adamw: lr 1e-3, weight decay 0.05 (unless given)",
+    )
     model.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     model.add_argument("--weight_decay", type=float, default=None, help="default depends on --optimizer")
     model.add_argument("--warmup_epochs", type=float, default=1.0, help="linear warmup before the cosine decay")
     model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
 
     dist = parser.add_argument_group("distributed and performance switches")
-    dist.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over the global batch (SyncBatchNorm; GPUs only)")
-    dist.add_argument("--find_unused_parameters", action="store_true", help="let DDP handle parameters that get no gradient (slower)")
-    dist.add_argument("--ddp_comm_hook", choices=["fp16", "bf16", "power_sgd"], default=None,
-                      help="compress gradients for the all-reduce: fp16/bf16 send half the bytes; power_sgd low-rank after 1000 plain steps")
-    dist.add_argument("--channels_last", action="store_true", help="NHWC memory format: faster convolutions on tensor cores")
+    dist.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over the global batch (GPUs only)")
+    dist.add_argument("--find_unused_parameters", action="store_true", help="for parameters without gradient (slower)")
+    dist.add_argument(
+        "--ddp_comm_hook", choices=["fp16", "bf16", "power_sgd"], default=None,
+        help="compress gradients for the all-reduce: fp16/bf16 halve the bytes; power_sgd is low-rank after 1000 steps",
+    )
+    dist.add_argument("--channels_last", action="store_true", help="NHWC memory format: faster convolutions on GPUs")
     dist.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
@@ -89,6 +95,9 @@ def parse_args(argv=None):
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if not 0 <= args.label_smoothing < 1:
         parser.error(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    for flag in ("momentum", "weight_decay", "warmup_epochs"):
+        if (getattr(args, flag) or 0) < 0:
+            parser.error(f"--{flag} must be 0 or more, got {getattr(args, flag)}")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATE[args.optimizer]
     if args.weight_decay is None:
@@ -123,6 +132,7 @@ def evaluate(accelerator, model, dataloader, metric, channels_last=False):
 
 
 def main(args):
+    check_enough_devices(args.cpu)
     # [accelerate] DDP options: Accelerate builds DistributedDataParallel, so they travel as kwargs.
     ddp_kwargs = DistributedDataParallelKwargs(
         find_unused_parameters=args.find_unused_parameters,
@@ -135,7 +145,8 @@ def main(args):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         # The shuffle order of epoch e depends only on (seed, e), so a resumed run sees the
         # same batches as an uninterrupted one.
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+        # non_blocking: host-to-GPU copies of the (pinned) batches overlap with compute.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         # We step the scheduler ourselves, once per optimizer step. (By default Accelerate
         # steps it num_processes times per step, a frequent surprise.)
         step_scheduler_with_optimizer=False,
@@ -148,7 +159,7 @@ def main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     if args.sync_bn and accelerator.device.type != "cuda":
-        raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop --sync_bn for CPU runs")
+        raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop it on the CPU")
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
 
     output_dir = Path(args.output_dir)
@@ -163,15 +174,18 @@ def main(args):
         train_split = train_split.select(range(min(args.max_train_samples, len(train_split))))
     if args.max_eval_samples is not None:
         eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
-    train_dataset = TransformedImages(train_split, train_transform(args.image_size), image_column, label_column, args.seed)
-    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size), image_column, label_column)
+    columns = (image_column, label_column)
+    train_dataset = TransformedImages(train_split, train_transform(args.image_size), *columns, seed=args.seed)
+    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size), *columns)
     loader_options = dict(
         num_workers=args.num_workers,
         pin_memory=accelerator.device.type == "cuda",
         persistent_workers=args.num_workers > 0,  # no worker start-up cost at every epoch
     )
     # drop_last: a last batch of one image would break BatchNorm in training
-    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_options)
+    train_dataloader = DataLoader(
+        train_dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_options
+    )
     eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, **loader_options)
     if len(train_dataset) < args.batch_size * accelerator.num_processes:
         raise UserError(f"{len(train_dataset)} training images are fewer than one global batch "
@@ -212,7 +226,7 @@ def main(args):
 
     # Resume: weights, optimizer, scheduler, GradScaler and RNG states come back with
     # load_state; where to continue comes from training_state.json.
-    global_step, starting_epoch, resume_batches, samples_seen = 0, 0, 0, 0
+    global_step, starting_epoch, resume_batches, samples_seen, steps_skipped = 0, 0, 0, 0, 0
     checkpoint = args.resume_from_checkpoint
     if checkpoint == "latest":
         checkpoint = find_latest_checkpoint(output_dir)
@@ -230,7 +244,7 @@ def main(args):
             raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from another model") from None
         logger.info(f"Resumed from {checkpoint}: {training_state}")
         global_step, starting_epoch = training_state["global_step"], training_state["epoch"]
-        resume_batches = training_state["batches_in_epoch"]
+        resume_batches, steps_skipped = training_state["batches_in_epoch"], training_state["optimizer_steps_skipped"]
         # a mid-epoch checkpoint's count includes the partial epoch, whose sums are carried on below
         samples_seen = training_state["samples_seen"] - training_state.get("epoch_samples", 0)
 
@@ -286,8 +300,11 @@ def main(args):
                 except RuntimeError as err:
                     if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
                         unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
-                        raise UserError(f"DDP stopped: the loss does not depend on these parameters: {', '.join(unused) or '(none found in one pass)'}; "
-                                        f"pass --find_unused_parameters (slower), or remove them from the model") from None
+                        raise UserError(
+                            f"DDP stopped: the loss does not depend on these parameters: "
+                            f"{', '.join(unused) or '(none found in one pass)'}; "
+                            f"pass --find_unused_parameters (slower), or remove them from the model"
+                        ) from None
                     raise
                 loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                 accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
@@ -295,20 +312,29 @@ def main(args):
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()
                 optimizer.zero_grad()
+            if accelerator.scaler is None and not torch.isfinite(loss):
+                # fp16's GradScaler skips such steps; without it the weights are already lost.
+                latest = find_latest_checkpoint(output_dir)
+                raise UserError(
+                    f"the loss became {loss.item()} at step {global_step + 1} (epoch {epoch}); last good checkpoint: "
+                    f"{latest or 'none'}; lower --learning_rate and resume from it"
+                )
             loss_sum += loss.detach().double() * len(labels)
             sample_count += len(labels)
             batches_in_epoch += 1
             meter.batch_done(len(labels))
 
-            if accelerator.sync_gradients:  # [accelerate] True when an optimizer step was taken
+            if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
                 global_step += 1
+                # [accelerate] fp16: the GradScaler skips steps whose gradients overflowed
+                steps_skipped += accelerator.optimizer_step_was_skipped
                 progress_bar.update(1)
                 if isinstance(args.checkpointing_steps, int) and global_step % args.checkpointing_steps == 0:
                     meter.pause()
                     epoch_loss, epoch_samples = global_totals()
                     save_checkpoint(accelerator, output_dir, f"step_{global_step}", {
                         "epoch": epoch, "global_step": global_step, "batches_in_epoch": batches_in_epoch,
-                        "samples_seen": samples_seen + epoch_samples,
+                        "samples_seen": samples_seen + epoch_samples, "optimizer_steps_skipped": steps_skipped,
                         "epoch_loss_sum": epoch_loss, "epoch_samples": epoch_samples,
                     }, args.checkpoints_total_limit)
                     meter.start()
@@ -332,7 +358,7 @@ def main(args):
         if args.checkpointing_steps == "epoch":
             save_checkpoint(accelerator, output_dir, f"epoch_{epoch}", {
                 "epoch": epoch + 1, "global_step": global_step, "batches_in_epoch": 0,
-                "samples_seen": samples_seen,
+                "samples_seen": samples_seen, "optimizer_steps_skipped": steps_skipped,
             }, args.checkpoints_total_limit)
     progress_bar.close()
 
@@ -369,6 +395,8 @@ def main(args):
             # LambdaLR counts its steps in last_epoch; equal to global_step when stepped once per optimizer step
             "lr_scheduler_steps": lr_scheduler.scheduler.last_epoch,
             "samples_seen": samples_seen,
+            "optimizer_steps_skipped": steps_skipped,
+            "grad_scaler": accelerator.scaler is not None,
             "batch_size_per_process": args.batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "learning_rate": args.learning_rate,

@@ -306,6 +306,7 @@ def test_topk_accuracy_metric():
     assert scores["top_k_accuracy"] == pytest.approx(2 / 3) and scores["k"] == 3
 
 
+@pytest.mark.filterwarnings("ignore:The default weight initialization of GoogleNet")
 def test_build_model_by_name_and_pretrained_head_swap(monkeypatch):
     assert build_model("resnet18", num_classes=7).fc.out_features == 7
     with pytest.raises(UserError, match="not a torchvision classification model"):
