@@ -356,7 +356,8 @@ def test_unused_parameter_diagnosis_names_exactly_the_unused_ones():
 # ---------------------------------------------------------------- GPU only (skipped in CI)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="SyncBatchNorm across ranks needs 2+ GPUs; CPU DDP refuses SyncBatchNorm and CI has no GPU")
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="SyncBatchNorm across ranks needs 2+ GPUs; CPU DDP refuses SyncBatchNorm and CI has no GPU")
 def test_sync_bn_computes_statistics_over_the_global_batch(split_folder, tmp_path):
     fingerprints = {}
     for flag in ([], ["--sync_bn"]):
@@ -369,13 +370,15 @@ def test_sync_bn_computes_statistics_over_the_global_batch(split_folder, tmp_pat
     assert fingerprints[True] != fingerprints[False]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16/bf16 ResNet-50 throughput needs a CUDA GPU; CI has none")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="fp16/bf16 ResNet-50 throughput needs a CUDA GPU; CI has none")
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_resnet50_mixed_precision_on_gpu(precision, tmp_path):
     data = make_split_image_folder(tmp_path / "data", train_per_class=256, val_per_class=16)
     out = tmp_path / "out"
-    run([*launcher_args(1), SCRIPT, "--data_dir", data, "--output_dir", out, "--model", "resnet50", "--image_size", "224",
-         "--batch_size", "64", "--epochs", "2", "--mixed_precision", precision, "--channels_last", "--num_workers", "4"])
+    run([*launcher_args(1), SCRIPT, "--data_dir", data, "--output_dir", out, "--model", "resnet50",
+         "--image_size", "224", "--batch_size", "64", "--epochs", "2", "--mixed_precision", precision,
+         "--channels_last", "--num_workers", "4"])
     r = results(out)
     assert r["mixed_precision"] == precision and math.isfinite(r["train_loss"])
     print(f"resnet50 {precision}: {r['train_samples_per_second']:.0f} img/s")

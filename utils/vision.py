@@ -38,7 +38,8 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
     if data_dir is not None:
         data_dir = Path(data_dir)
         if not data_dir.is_dir():
-            raise UserError(f"--data_dir {data_dir}: no such directory; point it at an image folder (DIR/<class>/*.jpg or DIR/train/<class>/*)")
+            raise UserError(f"--data_dir {data_dir}: no such directory; point it at an image folder "
+                            f"(DIR/<class>/*.jpg or DIR/train/<class>/*)")
         source = f"--data_dir {data_dir}"
         try:
             splits = datasets.load_dataset("imagefolder", data_dir=str(data_dir))
@@ -51,7 +52,8 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
             splits = datasets.load_dataset(dataset, dataset_config)
         except Exception as err:  # offline, no cache, unknown name, gated dataset...
             raise UserError(f"could not load {source} ({type(err).__name__}: {_first_line(err)}); check the name "
-                            f"(and --dataset_config), log in for gated datasets, or pass --data_dir with an image folder") from None
+                            f"(and --dataset_config), log in for gated datasets, or pass --data_dir with an image "
+                            f"folder") from None
 
     train = splits["train"] if "train" in splits else None
     if train is None:
@@ -158,9 +160,11 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
         try:
             builder = getattr(importlib.import_module(module_name), function_name)
         except (ImportError, AttributeError) as err:
-            raise UserError(f"--model {name}: cannot import it ({err}); give module:function importable from the repository root") from None
+            raise UserError(f"--model {name}: cannot import it ({err}); give a module:function importable "
+                            f"from the repository root") from None
         if pretrained:
-            raise UserError(f"--pretrained loads torchvision weights; --model {name} is your own builder, so drop --pretrained")
+            raise UserError(f"--pretrained loads torchvision weights; --model {name} is your own builder, "
+                            f"so drop --pretrained")
         return builder(num_classes=num_classes)
 
     import torchvision
@@ -176,7 +180,8 @@ def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Mod
             model = torchvision.models.get_model(name, weights="DEFAULT")  # downloaded once to ~/.cache/torch
         except Exception as err:  # offline, proxy, disk full: all end the same way for the user
             raise UserError(f"--pretrained: could not fetch the torchvision weights of {name} ({type(err).__name__}); "
-                            f"run once with internet access (they are cached under $TORCH_HOME) or train from scratch without --pretrained") from None
+                            f"run once with internet access (they are cached under $TORCH_HOME) or train from "
+                            f"scratch without --pretrained") from None
         model = replace_classifier(model, num_classes)
     return drop_auxiliary_heads(model)
 

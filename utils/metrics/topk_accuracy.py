@@ -25,4 +25,8 @@ class TopkAccuracy(evaluate.Metric):
     def _compute(self, predictions, references):
         predictions, references = np.asarray(predictions), np.asarray(references)
         hits = predictions == references[:, None]
-        return {"accuracy": float(hits[:, 0].mean()), "top_k_accuracy": float(hits.any(axis=1).mean()), "k": predictions.shape[1]}
+        return {
+            "accuracy": float(hits[:, 0].mean()),
+            "top_k_accuracy": float(hits.any(axis=1).mean()),
+            "k": predictions.shape[1],
+        }
