@@ -1,0 +1,128 @@
+"""scripts/benchmark.py --quick on CPU processes: every combination is reported, measured or
+skipped with its reason, and the numbers are sane. (No assertion on speed: CI machines are
+shared and noisy; the published numbers come from repeated runs on a quiet machine.)"""
+
+import csv
+import json
+import math
+import sys
+
+import pytest
+import torch
+from helpers import REPO, run
+
+BENCHMARK = REPO / "scripts" / "benchmark.py"
+BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
+METHODS = ("plain", "ddp", "dataparallel", "accelerate")
+KEY = ("model", "data_path", "method", "precision", "num_processes")
+
+
+@pytest.fixture(scope="module")
+def quick(synthetic_mnist, tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark")
+    # 640 generated digits in batches of 16: 20 batches per process on 2 processes, 10 past warm-up.
+    # Two processes only, to keep CI short (test_baselines.py runs the scripts on one).
+    proc = run([sys.executable, BENCHMARK, "--quick", "--cpu", "--data_dir", synthetic_mnist, "--batch_size", "16",
+                "--methods", ",".join(METHODS), "--precisions", "fp32,fp16", "--num_processes", "2",
+                "--data_paths", "dataloader,device", "--output_dir", out])
+    with open(out / "benchmark.csv") as f:
+        rows = {tuple(row[k] for k in KEY): row for row in csv.DictReader(f)}
+    return out, rows, json.loads((out / "benchmark.json").read_text()), proc
+
+
+def number(text):
+    return float(text) if text != "" else None
+
+
+def test_every_combination_has_a_row_measured_or_skipped_with_its_reason(quick):
+    _, rows, _, _ = quick
+    expected = {("mnist", path, method, precision, str(n)) for path in ("dataloader", "device") for method in METHODS
+                for precision in ("fp32", "fp16") for n in (2,)}
+    assert set(rows) == expected
+    for key, row in rows.items():
+        _, path, method, precision, n = key
+        if method == "dataparallel":
+            assert row["status"] == "skipped" and "2 or more GPUs" in row["reason"], row
+        elif method == "plain":
+            assert row["status"] == "skipped" and "one process" in row["reason"], row
+        elif precision == "fp16":
+            assert row["status"] == "skipped" and "fp16 needs a CUDA GPU" in row["reason"], row
+        else:
+            assert row["status"] == "ok" and row["runs"] == "1" and row["reason"] == "", row
+    measured = [k for k, r in rows.items() if r["status"] == "ok"]
+    assert len(measured) == 2 * 2  # per data path: ddp and accelerate, fp32
+
+
+def test_measured_rows_hold_sane_numbers(quick):
+    _, rows, _, _ = quick
+    for key, row in rows.items():
+        if row["status"] != "ok":
+            assert row["samples_per_second"] == row["ratio_to_ddp"] == "", row
+            continue
+        speed, low, high = (number(row[k]) for k in ("samples_per_second", "samples_per_second_min", "samples_per_second_max"))
+        assert 0 < low <= speed <= high < 1e7, row
+        assert 0 < number(row["time_per_epoch_s"]) < 300, row
+        assert 50 < number(row["peak_memory_mb"]) < 20_000, row  # CPU: resident set of a torch process
+        assert 0.5 <= number(row["eval_accuracy"]) <= 1.0, row  # the generated digits are easy; chance is 0.1
+        assert row["eval_samples"] == "203", row  # exact on 2 processes (203 is odd)
+        assert math.isfinite(number(row["ratio_to_ddp"])) and number(row["ratio_to_ddp"]) > 0, row
+        if row["method"] == "ddp":
+            assert number(row["ratio_to_ddp"]) == 1.0
+        assert str(REPO / "scripts") in row["command"] and "--cpu" in row["command"], row
+    # The scripts users copy are what is timed on the DataLoader path.
+    assert "scripts/train_mnist.py" in rows[("mnist", "dataloader", "accelerate", "fp32", "2")]["command"]
+    assert "torch.distributed.run" in rows[("mnist", "dataloader", "ddp", "fp32", "2")]["command"]
+    assert "baselines/ddp_mnist.py" in rows[("mnist", "dataloader", "ddp", "fp32", "2")]["command"]
+    assert "--data_on_device" in rows[("mnist", "device", "accelerate", "fp32", "2")]["command"]
+
+
+def test_on_device_path_trains_the_same_model_with_ddp_and_accelerate(quick):
+    """Same seed, initial weights, shuffle and shards: on the fast path the two methods end at
+    the same accuracy and loss-driven numbers; they differ in speed only."""
+    _, rows, _, _ = quick
+    ddp, accelerate = (rows[("mnist", "device", m, "fp32", "2")] for m in ("ddp", "accelerate"))
+    assert ddp["eval_accuracy"] == accelerate["eval_accuracy"]
+
+
+def test_json_records_machine_versions_command_and_every_run(quick):
+    _, rows, report, _ = quick
+    assert report["machine"]["torch"] == torch.__version__
+    assert report["machine"]["accelerate"] and report["machine"]["cpu_cores"] >= 1
+    assert report["device"] == "cpu"
+    assert "--quick" in report["command"]
+    assert len(report["rows"]) == len(rows)
+    assert len(report["runs"]) == 4 and all(run["status"] == "ok" for run in report["runs"])
+    assert report["settings"]["epochs"] == 1 and report["settings"]["repeats"] == 1
+
+
+def test_plots_are_pngs_with_content(quick):
+    out, _, _, _ = quick
+    import matplotlib.image
+
+    for name in ("throughput.png", "scaling.png"):
+        path = out / name
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        image = matplotlib.image.imread(path)
+        assert image.shape[0] >= 300 and image.shape[1] >= 600, name
+        assert image[..., :3].std() > 0.05, f"{name} is blank"
+
+
+def test_resnet_on_synthetic_images_in_plain_pytorch(tmp_path):
+    """The ResNet path: a torchvision model on synthetic 1000-class images, in plain PyTorch.
+    16-pixel images and 12 batches keep it short (ResNet's global pooling takes any size)."""
+    run([sys.executable, BENCHMARK, "--quick", "--cpu", "--models", "resnet18", "--methods", "plain",
+         "--precisions", "fp32", "--num_processes", "1", "--data_paths", "device", "--image_size", "16",
+         "--synthetic_samples", "192", "--batch_size", "16", "--output_dir", tmp_path])
+    with open(tmp_path / "benchmark.csv") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["model"], row["method"], row["precision"], row["status"]) == ("resnet18", "plain", "fp32", "ok"), row
+    assert number(row["samples_per_second"]) > 0
+    assert row["eval_accuracy"] == "" and row["eval_samples"] == ""  # random labels: no accuracy reported
+    assert number(row["ratio_to_ddp"]) is None  # no DDP run to compare with
+
+
+def test_bad_selection_is_one_clear_line(tmp_path):
+    proc = run([sys.executable, BENCHMARK, "--methods", "horovod", "--output_dir", tmp_path / "out"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: ") and "plain, ddp, dataparallel, accelerate" in proc.stderr
+    assert not (tmp_path / "out").exists()
