@@ -73,22 +73,26 @@ def make_flat_image_folder(root: Path, per_class: int = 75, seed: int = 1) -> Pa
     return root
 
 
-def make_parquet_dataset(root: Path, train_per_class: int = 30, test_per_class: int = 10, seed: int = 2) -> Path:
-    """A Hub-style dataset saved as parquet with CIFAR-100-like column names ("img", "fine_label")."""
+def make_parquet_dataset(root: Path, train_per_class: int = 30, test_per_class: int = 10, seed: int = 2,
+                         string_labels: bool = False) -> Path:
+    """A Hub-style dataset saved as parquet with CIFAR-100-like column names ("img", "fine_label").
+
+    Class ids follow CLASSES' order (not sorted); with `string_labels` the label column holds
+    the class names as plain strings instead of a ClassLabel.
+    """
     import datasets
 
     rng = np.random.default_rng(seed)
     names = list(CLASSES)
-    features = datasets.Features({
-        "img": datasets.Image(), "fine_label": datasets.ClassLabel(names=names), "note": datasets.Value("string"),
-    })
+    label_feature = datasets.Value("string") if string_labels else datasets.ClassLabel(names=names)
+    features = datasets.Features({"img": datasets.Image(), "fine_label": label_feature, "note": datasets.Value("string")})
     root.mkdir(parents=True, exist_ok=True)
     for split, per_class in (("train", train_per_class), ("test", test_per_class)):
         rows = {"img": [], "fine_label": [], "note": []}
         for label, class_name in enumerate(names):
             for _ in range(per_class):
                 rows["img"].append(draw_example(rng, class_name))
-                rows["fine_label"].append(label)
+                rows["fine_label"].append(class_name if string_labels else label)
                 rows["note"].append(class_name)
         datasets.Dataset.from_dict(rows, features=features).to_parquet(str(root / f"{split}.parquet"))
     return root

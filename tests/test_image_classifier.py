@@ -173,7 +173,8 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
     out = tmp_path / "full"
     common = ["--data_dir", split_folder, "--max_train_samples", "128", "--batch_size", "8", "--epochs", "2",
               "--gradient_accumulation_steps", "2"]
-    reports = train_with_probe([*common, "--output_dir", out, "--checkpointing_steps", "3"], 2,
+    # two persistent DataLoader workers per process: they must see set_epoch(1) for the second epoch
+    reports = train_with_probe([*common, "--output_dir", out, "--checkpointing_steps", "3", "--num_workers", "2"], 2,
                                tmp_path / "probe", count_allreduce=True)
     r = results(out)
     assert r["global_step"] == r["lr_scheduler_steps"] == 2 * 4
@@ -186,13 +187,13 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
     assert torch.load(out / "step_6" / "scheduler.bin", weights_only=True)["last_epoch"] == 6
     assert len(set(r["parameter_fingerprints"])) == 1
 
-    # Resume mid-epoch 0 (step 3 = 6 of 8 batches) with DataLoader workers this time: the
-    # augmentations are seeded per sample, so the result is bit-identical anyway.
+    # Resume mid-epoch 0 (step 3 = 6 of 8 batches), loading in the main process this time: the
+    # augmentations are seeded per (seed, epoch, sample), so the result is bit-identical anyway.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(out / "step_3", resumed / "step_3")
-    reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest",
-                                "--num_workers", "2"], 2, tmp_path / "probe_resumed", count_allreduce=True)
+    reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], 2,
+                               tmp_path / "probe_resumed", count_allreduce=True)
     rr = results(resumed)
     assert rr["resumed_from"].endswith("step_3")
     assert [rep["synced_backward_passes"] for rep in reports] == [5, 5]  # steps 4 to 8
@@ -283,6 +284,18 @@ def test_data_errors_are_one_line_user_errors(tmp_path, flat_folder):
     data = make_parquet_dataset(tmp_path / "parquet", train_per_class=2, test_per_class=1)
     with pytest.raises(UserError, match="no column 'picture'.*--image_column"):
         load_image_datasets(dataset=str(data), image_column="picture")
+
+
+def test_plain_string_labels_become_sorted_class_ids(tmp_path):
+    data = make_parquet_dataset(tmp_path / "parquet", train_per_class=3, test_per_class=2, string_labels=True)
+    with pytest.raises(UserError, match="cannot tell which column holds the labels.*--label_column"):
+        load_image_datasets(dataset=str(data))  # no ClassLabel column to find
+    train_split, eval_split, image_column, label_column, names = load_image_datasets(
+        dataset=str(data), label_column="fine_label"
+    )
+    assert (image_column, label_column, names) == ("img", "fine_label", CLASS_NAMES)
+    assert [names[i] for i in eval_split[label_column]] == eval_split["note"]  # the same ids in both splits
+    assert [names[i] for i in train_split[label_column]] == train_split["note"]
 
 
 def test_augmentation_depends_only_on_seed_epoch_and_index(split_folder):
