@@ -22,7 +22,8 @@ first 10 batches of each process are warm-up and excluded), time per epoch, peak
 the largest process (GPU: max allocated; CPU: max resident set), final eval accuracy where
 the data is real, and the ratio of samples/s to raw DDP in the same setting (median over
 rounds of the per-round ratio). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with
-the machine, versions, the command and every single run), throughput.png, scaling.png.
+the machine, versions, the command and every single run), benchmark.md (the table in
+Markdown), throughput.png, scaling.png.
 """
 
 import argparse
@@ -276,6 +277,30 @@ def write_csv(path, rows):
             writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_COLUMNS})
 
 
+def write_markdown(path, rows):
+    """The table as the README shows it: measured rows, then the skipped ones with their reasons."""
+    def fmt(value, spec):
+        return format(value, spec) if value is not None else "-"
+
+    lines = ["| model | data | method | precision | processes | samples/s (min-max) | s/epoch | peak MB | accuracy | ÷ DDP (min-max) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["samples_per_second"] is None:
+            continue
+        ratio = f"{fmt(r['ratio_to_ddp'], '.3f')} ({fmt(r['ratio_to_ddp_min'], '.2f')}-{fmt(r['ratio_to_ddp_max'], '.2f')})"
+        lines.append(
+            f"| {r['model']} | {r['data_path']} | {r['method']} | {r['precision']} | {r['num_processes']} "
+            f"| {r['samples_per_second']:.0f} ({r['samples_per_second_min']:.0f}-{r['samples_per_second_max']:.0f}) "
+            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} | {fmt(r['eval_accuracy'], '.4f')} | {ratio} |"
+        )
+    not_measured = [r for r in rows if r["samples_per_second"] is None]
+    if not_measured:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- {Combination(*(r[k] for k in ('model', 'data_path', 'method', 'precision', 'num_processes'))).label()}: "
+                  f"{r['status']}, {r['reason']}" for r in not_measured]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
 def plot(rows, output_dir: Path):
     """throughput.png: samples/s by method and precision; scaling.png: by process count."""
     import matplotlib
@@ -352,6 +377,7 @@ def print_table(rows):
 
 
 def main(args):
+    load_before = os.getloadavg()[0]  # a busy machine makes every number smaller: recorded with them
     on_cpu = args.cpu or not torch.cuda.is_available()
     num_gpus = 0 if on_cpu else torch.cuda.device_count()
     output_dir = Path(args.output_dir)
@@ -386,9 +412,10 @@ def main(args):
 
     rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
     write_csv(output_dir / "benchmark.csv", rows)
+    write_markdown(output_dir / "benchmark.md", rows)
     write_json_atomically(output_dir / "benchmark.json", {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
-        "machine": machine_facts(),
+        "machine": {**machine_facts(), "load_average_1min_before": load_before},
         "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
         "threads_per_process": "cores / processes (OMP_NUM_THREADS)" if on_cpu else None,
         "settings": {k: v for k, v in vars(args).items()},
@@ -397,7 +424,7 @@ def main(args):
     })
     plot(rows, output_dir)
     print_table(rows)
-    print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, throughput.png, scaling.png")
+    print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, benchmark.md, throughput.png, scaling.png")
     failed = [r for r in rows if r["status"] in ("failed", "partly failed")]
     if failed:
         raise UserError(f"{len(failed)} combination(s) failed (first: {Combination(*(failed[0][k] for k in ('model', 'data_path', 'method', 'precision', 'num_processes'))).label()}: "

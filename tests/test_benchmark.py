@@ -95,6 +95,14 @@ def test_json_records_machine_versions_command_and_every_run(quick):
     assert report["settings"]["epochs"] == 1 and report["settings"]["repeats"] == 1
 
 
+def test_markdown_table_lists_measured_rows_then_skipped_ones_with_reasons(quick):
+    out, rows, _, _ = quick
+    text = (out / "benchmark.md").read_text()
+    measured = [line for line in text.splitlines() if line.startswith("| mnist |")]
+    assert len(measured) == sum(r["status"] == "ok" for r in rows.values()) == 4
+    assert "mnist/device/dataparallel/fp32/2p: skipped, nn.DataParallel needs 2 or more GPUs" in text
+
+
 def test_plots_are_pngs_with_content(quick):
     out, _, _, _ = quick
     import matplotlib.image

@@ -75,7 +75,7 @@ def machine_facts() -> dict:
         "torchvision": torchvision.__version__,
         "accelerate": accelerate.__version__,
         "cuda": torch.version.cuda if gpus else None,
-        "load_average_1min": os.getloadavg()[0],
+        "load_average_1min_after": os.getloadavg()[0],
         "git_commit": _git_commit(),
     }
 
