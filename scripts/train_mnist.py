@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, check_process_group, exit_with_error  # noqa: E402
+from utils.errors import UserError, check_enough_devices, check_accelerator, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
@@ -66,6 +66,7 @@ def evaluate(accelerator, model, dataloader, metric):
 
 
 def main(args):
+    check_enough_devices(args.cpu)
     # Without a GPU, gloo on the CPU; the launch config (or the flag) picks the precision.
     accelerator = Accelerator(  # [accelerate]
         cpu=args.cpu,
@@ -80,7 +81,7 @@ def main(args):
         log_with="tensorboard" if args.with_tracking else None,
         project_dir=args.output_dir,
     )
-    check_process_group(accelerator)
+    check_accelerator(accelerator)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
@@ -116,7 +117,7 @@ def main(args):
 
     # Resume: weights, optimizer, scheduler, GradScaler and RNG states come back with
     # load_state; where to continue comes from training_state.json.
-    global_step, starting_epoch, resume_batches, samples_seen = 0, 0, 0, 0
+    global_step, starting_epoch, resume_batches, samples_seen, steps_skipped = 0, 0, 0, 0, 0
     checkpoint = args.resume_from_checkpoint
     if checkpoint == "latest":
         checkpoint = find_latest_checkpoint(output_dir)
@@ -134,7 +135,7 @@ def main(args):
             raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from another model") from None
         logger.info(f"Resumed from {checkpoint}: {training_state}")
         global_step, starting_epoch = training_state["global_step"], training_state["epoch"]
-        resume_batches = training_state["batches_in_epoch"]
+        resume_batches, steps_skipped = training_state["batches_in_epoch"], training_state["optimizer_steps_skipped"]
         # a mid-epoch checkpoint's count includes the partial epoch, whose sums are carried on below
         samples_seen = training_state["samples_seen"] - training_state.get("epoch_samples", 0)
 
@@ -189,20 +190,29 @@ def main(args):
                 if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                     lr_scheduler.step()
                 optimizer.zero_grad()
+            if accelerator.scaler is None and not torch.isfinite(loss):
+                # fp16's GradScaler skips such steps; without it the weights are already lost.
+                latest = find_latest_checkpoint(output_dir)
+                raise UserError(
+                    f"the loss became {loss.item()} at step {global_step + 1} (epoch {epoch}); last good checkpoint: "
+                    f"{latest or 'none'}; lower --learning_rate and resume from it"
+                )
             loss_sum += loss.detach().double() * len(labels)
             sample_count += len(labels)
             batches_in_epoch += 1
             meter.batch_done(len(labels))
 
-            if accelerator.sync_gradients:  # [accelerate] True when an optimizer step was taken
+            if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
                 global_step += 1
+                # [accelerate] fp16: the GradScaler skips steps whose gradients overflowed
+                steps_skipped += accelerator.optimizer_step_was_skipped
                 progress_bar.update(1)
                 if isinstance(args.checkpointing_steps, int) and global_step % args.checkpointing_steps == 0:
                     meter.pause()
                     epoch_loss, epoch_samples = global_totals()
                     save_checkpoint(accelerator, output_dir, f"step_{global_step}", {
                         "epoch": epoch, "global_step": global_step, "batches_in_epoch": batches_in_epoch,
-                        "samples_seen": samples_seen + epoch_samples,
+                        "samples_seen": samples_seen + epoch_samples, "optimizer_steps_skipped": steps_skipped,
                         "epoch_loss_sum": epoch_loss, "epoch_samples": epoch_samples,
                     }, args.checkpoints_total_limit)
                     meter.start()
@@ -224,7 +234,7 @@ def main(args):
         if args.checkpointing_steps == "epoch":
             save_checkpoint(accelerator, output_dir, f"epoch_{epoch}", {
                 "epoch": epoch + 1, "global_step": global_step, "batches_in_epoch": 0,
-                "samples_seen": samples_seen,
+                "samples_seen": samples_seen, "optimizer_steps_skipped": steps_skipped,
             }, args.checkpoints_total_limit)
     progress_bar.close()
 
@@ -259,6 +269,8 @@ def main(args):
             "epochs": args.epochs,
             "global_step": global_step,
             "samples_seen": samples_seen,
+            "optimizer_steps_skipped": steps_skipped,
+            "grad_scaler": accelerator.scaler is not None,
             "batch_size_per_process": args.batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             "learning_rate": args.learning_rate,

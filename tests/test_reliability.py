@@ -1,0 +1,134 @@
+"""Jobs die: a killed rank, an interrupted save, a diverging loss. What survives, and how."""
+
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from helpers import REPO, TRAIN_MNIST, launch, launcher_args, make_synthetic_mnist, results, run
+
+from utils.errors import UserError, check_enough_devices
+
+RESTART = REPO / "scripts" / "restart_on_failure.sh"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_synthetic_mnist(tmp_path_factory.mktemp("reliability_data"), num_train=1024, num_test=101)
+
+
+# 1,024 samples / 16 per batch = 64 batches, 32 per process: 32 optimizer steps per epoch.
+COMMON = ["--epochs", "3", "--batch_size", "16", "--checkpointing_steps", "10"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted")
+    launch(["--data_dir", data, "--output_dir", out, *COMMON], num_processes=2)
+    return out
+
+
+def test_one_process_mid_epoch_resume_is_bit_exact(data, tmp_path):
+    args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45"]
+    launch([*args, "--output_dir", tmp_path / "full"])
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "full" / "step_45", tmp_path / "resumed" / "step_45")  # 13 batches into epoch 1
+    launch([*args, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"])
+    full, resumed = results(tmp_path / "full"), results(tmp_path / "resumed")
+    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+    assert resumed["global_step"] == full["global_step"] == 64
+    assert resumed["samples_seen"] == full["samples_seen"] == 2 * 1024
+
+
+def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, rank: int = 1) -> int:
+    """SIGKILL the worker with LOCAL_RANK=rank as soon as step_10 exists (mid-epoch 0)."""
+    deadline = time.time() + 120
+    while not (output_dir / "step_10").is_dir():
+        assert launcher.poll() is None, "the job ended before its first checkpoint"
+        assert time.time() < deadline
+        time.sleep(0.02)
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("LOCAL_RANK") == str(rank) and "train_mnist.py" in " ".join(child.cmdline()):
+                child.kill()
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError("no worker with LOCAL_RANK=1 found")
+
+
+def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, uninterrupted, tmp_path):
+    out = tmp_path / "killed"
+    command = ["bash", RESTART, "1", *launcher_args(2), TRAIN_MNIST, "--cpu", "--data_dir", data,
+               "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
+    job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+    _kill_rank_after_first_checkpoint(job, out)
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output
+    assert "attempt 1 of 2 exited" in output, "the kill must have ended the first attempt"
+    resumed, reference = results(out), results(uninterrupted)
+    assert resumed["resumed_from"] is not None and "step_" in resumed["resumed_from"]
+    # Resume is deterministic, so the result is exact, not merely close.
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
+        assert resumed[key] == reference[key], key
+    assert resumed["global_step"] == 3 * 32 and resumed["samples_seen"] == 3 * 1024
+
+
+def test_interrupted_save_is_ignored_and_cleaned_up(data, uninterrupted, tmp_path):
+    """A save killed half-way leaves `.tmp-step_N` without training_state.json: never resumed from."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(uninterrupted / "step_20", out / "step_20")
+    half_written = shutil.copytree(uninterrupted / "step_30", out / ".tmp-step_30")
+    (half_written / "training_state.json").unlink()
+    (half_written / "model.safetensors").write_bytes(b"\x00" * 10)
+    proc = launch(["--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest",
+                   "--checkpoints_total_limit", "2"], num_processes=2)
+    assert "Resumed from " + str(out / "step_20") in proc.stderr + proc.stdout
+    assert not half_written.exists(), "the next save of step_30 replaced the half-written folder"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step_", ".tmp"))) == ["step_80", "step_90"]
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+
+
+def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_path):
+    proc = run([sys.executable, TRAIN_MNIST, "--cpu", "--data_dir", data, "--output_dir", tmp_path,
+                "--learning_rate", "1e30", "--batch_size", "16", "--checkpointing_steps", "1"], check=False)
+    assert proc.returncode == 1
+    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+    assert "the loss became nan at step 2" in line and str(tmp_path / "step_1") in line, line
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 loss scaling needs a CUDA GPU (Accelerate has no "
+                    "GradScaler on the CPU); CI has none")
+def test_fp16_overflow_steps_are_counted(data, tmp_path):
+    # A learning rate this large makes the scaled gradients overflow; the GradScaler skips those steps.
+    run([*launcher_args(1), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path, "--epochs", "1",
+         "--mixed_precision", "fp16", "--learning_rate", "10"])
+    r = results(tmp_path)
+    assert r["grad_scaler"] is True and r["mixed_precision"] == "fp16"
+    assert r["optimizer_steps_skipped"] >= 1  # at least the first step at scale 65536
+
+
+def test_more_local_processes_than_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(UserError, match="4 processes on this machine but only 2 GPU"):
+        check_enough_devices(cpu=False)
+    check_enough_devices(cpu=True)  # CPU processes are not bound to GPUs
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    check_enough_devices(cpu=False)
+
+
+def test_restart_wrapper_gives_up_after_max_restarts(tmp_path):
+    proc = run(["bash", RESTART, "2", "false"], check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.count("exited with status 1") == 3 and "giving up after 3 attempts" in proc.stderr
+    assert run(["bash", RESTART, "x", "true"], check=False).returncode == 2
