@@ -157,6 +157,7 @@ def run_with_ddp_probe(argv) -> None:
             report.update({
                 "comm_hook": logging_data.get("comm_hook"),
                 "find_unused_parameters": bool(logging_data.get("find_unused_parameters")),
+                "has_sync_bn": bool(logging_data.get("has_sync_bn")),
                 "synced_backward_passes": seen["synced_backward_passes"],
                 "weights_channels_last": first_conv.weight.is_contiguous(memory_format=torch.channels_last),
                 "inputs_channels_last": sorted(set(seen["input_channels_last"])),

@@ -371,16 +371,27 @@ def test_unused_parameter_diagnosis_names_exactly_the_unused_ones():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="SyncBatchNorm across ranks needs 2+ GPUs; CPU DDP refuses SyncBatchNorm and CI has no GPU")
-def test_sync_bn_computes_statistics_over_the_global_batch(split_folder, tmp_path):
-    fingerprints = {}
-    for flag in ([], ["--sync_bn"]):
-        out = tmp_path / ("sync" if flag else "local")
-        run([*launcher_args(2), SCRIPT, *FAST, "--data_dir", split_folder, "--output_dir", out, "--epochs", "1", *flag])
-        r = results(out)
-        assert r["num_processes"] == 2 and len(set(r["buffer_fingerprints"])) == 1
-        fingerprints[bool(flag)] = r["buffer_fingerprints"][0]
-    # rank 0's statistics come from its own slice without --sync_bn, from both slices with it
-    assert fingerprints[True] != fingerprints[False]
+def test_sync_bn_statistics_come_from_the_global_batch(split_folder, tmp_path):
+    """Step k's global batch holds the same 16 images for 1 process x 16 and for 2 processes x 8
+    (seedable sampler, per-sample augmentation seeds). With --sync_bn, 2 x 8 computes BatchNorm
+    statistics over all 16, as 1 x 16 does; without it, each process uses only its own 8."""
+    common = [*FAST, "--data_dir", split_folder, "--epochs", "1", "--max_train_samples", "64"]
+
+    def first_running_mean(name, num_processes, batch_size, *flags):
+        out, probe_out = tmp_path / name, tmp_path / f"probe_{name}"
+        script = [PROBE, SCRIPT] if num_processes > 1 else [SCRIPT]
+        run([*launcher_args(num_processes), *script, *common, "--batch_size", batch_size, "--output_dir", out, *flags],
+            env={"DDP_PROBE_OUT": str(probe_out), "DDP_PROBE_COUNT_ALLREDUCE": "0"})
+        if num_processes > 1:
+            reports = [json.loads(probe_out.with_name(f"{probe_out.name}.{rank}").read_text()) for rank in range(2)]
+            assert [rep["has_sync_bn"] for rep in reports] == [bool(flags)] * 2  # as DDP itself reports it
+        assert results(out)["num_processes"] == num_processes
+        return load_file(out / "model.safetensors")["bn1.running_mean"].double()
+
+    single = first_running_mean("single", 1, 16)
+    synced = first_running_mean("sync", 2, 8, "--sync_bn")
+    local = first_running_mean("local", 2, 8)
+    assert (synced - single).abs().max() * 10 < (local - single).abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
