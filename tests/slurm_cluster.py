@@ -1,0 +1,188 @@
+"""A real, small Slurm cluster on this machine for the tests: munged, slurmctld and two
+slurmd daemons (`node1`, `node2`, both at 127.0.0.1 on their own ports), from Debian's
+slurmctld/slurmd/slurm-client/munge packages.
+
+Each node declares 4 GPUs backed by empty files: Slurm counts and allocates them (so
+SLURM_GPUS_ON_NODE is real), nothing opens them, and the jobs train on the CPU.
+Everything lives in one temporary folder; the daemons are stopped by their pid files.
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
+NODES = ("node1", "node2")
+GPUS_PER_NODE = 4
+
+
+def skip_with_reason(reason: str):
+    """Skip, and say why in pytest's warnings summary too (shown even without -rs)."""
+    warnings.warn(f"SLURM tests skipped: {reason}", stacklevel=2)
+    pytest.skip(reason)
+
+
+def free_ports(count: int) -> list:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class SlurmCluster:
+    def __init__(self, root: Path):
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.munge_socket = root / "munge" / "munge.socket"
+        # What every Slurm command and job needs: our slurm.conf, and the venv's accelerate
+        # first on PATH (sbatch passes this environment on to the jobs).
+        self.env = {
+            **os.environ,
+            "SLURM_CONF": str(self.conf),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+        for variable in list(self.env):  # a pytest run inside a Slurm job must not leak its job
+            if variable.startswith(("SLURM_JOB", "SLURM_STEP", "SBATCH_", "SRUN_", "SALLOC_")):
+                del self.env[variable]
+
+    def pid_files(self) -> list:
+        return [self.root / "munge" / "munged.pid", self.root / "slurmctld.pid",
+                *(self.root / f"slurmd-{node}.pid" for node in NODES)]
+
+    def write_config(self) -> None:
+        ctld_port, *node_ports = free_ports(1 + len(NODES))
+        for sub in ("state", "log", "munge", *(f"spool/{n}" for n in NODES)):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "munge").chmod(0o700)
+        for i in range(GPUS_PER_NODE):
+            (self.root / f"fake-gpu{i}").touch()
+        hostname = socket.gethostname()
+        node_lines = "\n".join(  # one line per node: the two ports need not be consecutive
+            f"NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={port} "
+            f"CPUs={os.cpu_count() or 1} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            for node, port in zip(NODES, node_ports)
+        )
+        r = self.root
+        self.conf.write_text(f"""\
+ClusterName=pytest
+SlurmctldHost={hostname}(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={self.munge_socket}
+StateSaveLocation={r}/state
+SlurmdSpoolDir={r}/spool/%n
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd-%n.pid
+SlurmctldLogFile={r}/log/slurmctld.log
+SlurmdLogFile={r}/log/slurmd-%n.log
+# No cgroups in a container: track job processes by process group, bind nothing.
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+JobRequeue=1
+KillWait=10
+GresTypes=gpu
+{node_lines}
+PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+""")
+        (self.root / "gres.conf").write_text(
+            "AutoDetect=off\n" + f"Name=gpu File={self.root}/fake-gpu[0-{GPUS_PER_NODE - 1}]\n"
+        )
+
+    def run(self, *cmd, check=True, timeout=60) -> subprocess.CompletedProcess:
+        proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=self.env)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: {proc.stdout}{proc.stderr}")
+        return proc
+
+    def start(self) -> None:
+        self.write_config()
+        munge = self.root / "munge"
+        self.run("mungekey", "--create", f"--keyfile={munge}/munge.key")
+        # --force: pytest's temporary folders are not where munged expects to be installed
+        self.run("munged", "--force", f"--socket={self.munge_socket}", f"--key-file={munge}/munge.key",
+                 f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log", f"--seed-file={munge}/seed")
+        self.run("slurmctld", "-f", self.conf, "-c")  # -c: a clean start, no saved state
+        for node in NODES:
+            self.run("slurmd", "-f", self.conf, "-N", node)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            states = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
+            if states.count("idle") == len(NODES):
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"nodes not idle after 30 s (sinfo: {' '.join(states)})\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 15) -> str:
+        text = []
+        for log in sorted((self.root / "log").glob("*.log")):
+            tail = [line for line in log.read_text(errors="replace").splitlines() if "pmix" not in line][-lines:]
+            text.append(f"--- {log.name}\n" + "\n".join(tail))
+        return "\n".join(text)
+
+    def stop(self) -> None:
+        self.run("scancel", "--user", "root", check=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
+            time.sleep(0.3)
+        # slurmd first, munged last: the others need it to authenticate until the end
+        for pid_file in reversed(self.pid_files()):
+            try:
+                os.kill(int(pid_file.read_text().split()[0]), 15)
+            except (FileNotFoundError, ValueError, ProcessLookupError):
+                pass
+
+    # ------------------------------------------------------------------ jobs
+
+    def job_state(self, job_id: str) -> str:
+        out = self.run("scontrol", "show", "job", job_id, check=False).stdout
+        for field in out.split():
+            if field.startswith("JobState="):
+                return field.split("=", 1)[1]
+        return "UNKNOWN"
+
+    def job_field(self, job_id: str, name: str) -> str:
+        out = self.run("scontrol", "show", "job", job_id, check=False).stdout
+        for field in out.split():
+            if field.startswith(f"{name}="):
+                return field.split("=", 1)[1]
+        return ""
+
+
+def start_cluster(root: Path) -> SlurmCluster:
+    """A running cluster, or a skip that says what is missing."""
+    missing = [d for d in DAEMONS if shutil.which(d) is None]
+    if missing:
+        skip_with_reason(
+            f"needs Debian's slurmctld, slurmd, slurm-client and munge ({', '.join(missing)} not found); "
+            f".ci/run installs them with apt-get where it can"
+        )
+    if os.geteuid() != 0:
+        skip_with_reason("slurmd must run as root to start jobs; these tests run as a regular user")
+    cluster = SlurmCluster(root)
+    try:
+        cluster.start()
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        cluster.stop()
+        skip_with_reason(f"this machine cannot run a Slurm cluster: {err}\n{cluster.log_tail()}")
+    return cluster

@@ -1,0 +1,146 @@
+"""scripts/slurm/*.sbatch submitted with `sbatch --wait` to a real Slurm cluster started on
+this machine (tests/slurm_cluster.py), in CPU mode, and checked by their results.json."""
+
+import math
+import shutil
+import subprocess
+import time
+
+import pytest
+from helpers import REPO, make_synthetic_mnist, results
+from slurm_cluster import start_cluster
+
+from utils.checkpoints import find_latest_checkpoint
+
+SLURM_DIR = REPO / "scripts" / "slurm"
+SHELL_SCRIPTS = sorted(p.relative_to(REPO) for p in [*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
+NUM_TRAIN, NUM_TEST, BATCH_SIZE, EPOCHS = 1280, 101, 16, 2
+# 1,280 samples over 2 processes in batches of 16: 40 optimizer steps per epoch.
+STEPS_PER_EPOCH = math.ceil(NUM_TRAIN / (2 * BATCH_SIZE))
+
+
+@pytest.mark.parametrize("script", SHELL_SCRIPTS, ids=str)
+def test_shell_scripts_pass_bash_n_and_shellcheck(script):
+    syntax = subprocess.run(["bash", "-n", script], cwd=REPO, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (Debian package shellcheck; .ci/run installs it where it can)")
+    lint = subprocess.run(["shellcheck", script], cwd=REPO, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_synthetic_mnist(tmp_path_factory.mktemp("slurm_data"), num_train=NUM_TRAIN, num_test=NUM_TEST)
+
+
+def script_args(data, output_dir, *extra):
+    return ["scripts/train_mnist.py", "--data_dir", data, "--output_dir", output_dir,
+            "--epochs", str(EPOCHS), "--batch_size", str(BATCH_SIZE), *extra]
+
+
+def submit(cluster, log_dir, gpus_per_node, batch_script, args) -> subprocess.Popen:
+    """`sbatch --wait` in CPU mode, from the repository root as users submit; returns at once."""
+    cmd = ["sbatch", "--wait", "--parsable", f"--gpus-per-node={gpus_per_node}", f"--output={log_dir}/%x-%j.out",
+           SLURM_DIR / batch_script, *args]
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**cluster.env, "CPU": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(cluster, sbatch: subprocess.Popen, log_dir, timeout=300):
+    """Wait for `sbatch --wait`; returns (job id, the job's log)."""
+    try:
+        stdout, stderr = sbatch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sbatch.kill()
+        raise AssertionError(f"job did not finish in {timeout} s\n{cluster.log_tail()}") from None
+    job_id = stdout.split()[0] if stdout.split() else "?"
+    logs = "\n".join(p.read_text() for p in log_dir.glob(f"*-{job_id}.out"))
+    assert sbatch.returncode == 0, f"sbatch exited {sbatch.returncode}: {stderr}\n{logs[-4000:]}"
+    return job_id, logs
+
+
+@pytest.fixture(scope="module")
+def two_jobs(cluster, data, tmp_path_factory):
+    """Both batch scripts at once: one node with 2 GPUs, and two nodes with 1 GPU each."""
+    root = tmp_path_factory.mktemp("slurm_jobs")
+    single = submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node"))
+    multi = submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"))
+    return {"one_node": (root / "one_node", *finish(cluster, single, root)),
+            "two_nodes": (root / "two_nodes", *finish(cluster, multi, root))}
+
+
+def assert_complete_run(r, num_processes):
+    assert r["num_processes"] == num_processes
+    assert r["eval_samples"] == NUM_TEST
+    assert r["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert r["samples_seen"] == EPOCHS * NUM_TRAIN
+    assert len(r["parameter_fingerprints"]) == num_processes
+    assert len(set(r["parameter_fingerprints"])) == 1, "replicas hold different weights"
+    assert r["eval_accuracy"] >= 0.9
+
+
+def test_multigpu_job_takes_its_process_count_from_the_allocation(two_jobs):
+    output_dir, _, log = two_jobs["one_node"]
+    assert_complete_run(results(output_dir), num_processes=2)  # --gpus-per-node=2
+    assert ": 2 processes" in log
+    # the batch script's defaults: a checkpoint every epoch, so a requeued job can resume
+    assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+
+
+def test_multinode_job_runs_one_machine_rank_per_node(two_jobs):
+    output_dir, job_id, log = two_jobs["two_nodes"]
+    assert_complete_run(results(output_dir), num_processes=2)  # 2 nodes x --gpus-per-node=1
+    assert "2 nodes x 1 processes" in log
+    # each srun task got its own rank, on its own node (not machine_rank 0 everywhere)
+    assert "node1: machine_rank 0" in log and "node2: machine_rank 1" in log
+    port = 20000 + int(job_id) % 20000
+    assert f"machine 0 at 127.0.0.1:{port}" in log
+
+
+def test_one_node_and_two_nodes_train_identically(two_jobs):
+    """Same world size, same data: the topology must not change a single bit."""
+    one, two = results(two_jobs["one_node"][0]), results(two_jobs["two_nodes"][0])
+    for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
+                "global_step", "samples_seen"):
+        assert one[key] == two[key], key
+
+
+def test_preempted_job_requeues_itself_and_resumes_where_it_stopped(cluster, data, two_jobs, tmp_path):
+    """USR1 (what Slurm sends before the time limit) while training: the job requeues itself,
+    and the second run resumes from the newest checkpoint and ends exactly like an
+    uninterrupted run, the one-node job above."""
+    output_dir = tmp_path / "preempted"
+    sbatch = submit(cluster, tmp_path, 2, "submit_multigpu.sbatch",
+                    script_args(data, output_dir, "--checkpointing_steps", "3"))
+    job_id = sbatch.stdout.readline().split(";")[0].strip()  # --parsable prints the id when submitted
+
+    deadline = time.monotonic() + 180
+    while find_latest_checkpoint(output_dir) is None:  # wait until training is under way
+        assert sbatch.poll() is None and time.monotonic() < deadline, cluster.log_tail()
+        time.sleep(0.05)
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)  # the batch shell only, as --signal=B:USR1 does
+
+    # Slurm holds a requeued job for 2 minutes before it may start again; start it now.
+    while cluster.job_field(job_id, "Restarts") == "0" or cluster.job_state(job_id) != "PENDING":
+        assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
+        if sbatch.poll() is not None:
+            break
+        time.sleep(0.1)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+    _, log = finish(cluster, sbatch, tmp_path)
+
+    r = results(output_dir)
+    assert "USR1" in log and "run 2," in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
+    assert r["resumed_from"] is not None and "step_" in r["resumed_from"], r["resumed_from"]
+    assert_complete_run(r, num_processes=2)  # the step and sample counts are continuous
+    uninterrupted = results(two_jobs["one_node"][0])
+    for key in ("parameter_fingerprints", "eval_accuracy", "eval_loss", "train_loss"):
+        assert r[key] == uninterrupted[key], key
