@@ -17,6 +17,14 @@ EXPECTED = {
                             use_cpu=False),
     "multi_gpu.yaml": dict(distributed_type="MULTI_GPU", num_machines=1, mixed_precision="fp16", use_cpu=False,
                            gpu_ids="all"),
+    # Topologies (tests/test_topologies.py and tests/test_slurm.py launch them)
+    "multi_gpu_subset.yaml": dict(distributed_type="MULTI_GPU", num_processes=2, num_machines=1,
+                                  mixed_precision="fp16", use_cpu=False, gpu_ids="2,3", main_process_port=0),
+    "multi_node.yaml": dict(distributed_type="MULTI_GPU", num_processes=16, num_machines=2, machine_rank=0,
+                            mixed_precision="fp16", use_cpu=False, main_process_port=29500),
+    "slurm_gpu.yaml": dict(distributed_type="MULTI_GPU", num_machines=1, mixed_precision="fp16", use_cpu=False,
+                           gpu_ids="all"),
+    "slurm_cpu.yaml": dict(distributed_type="MULTI_GPU", num_machines=1, mixed_precision="no", use_cpu=True),
 }
 
 def test_every_config_has_expectations():
@@ -36,6 +44,13 @@ def test_config_loads_and_is_consistent(name):
     assert port is None or port == 0 or 1024 <= port <= 65535
     if config.distributed_type.value == "MULTI_GPU" and not config.use_cpu:
         assert config.num_processes >= 2
+    if config.gpu_ids not in (None, "all"):
+        ids = str(config.gpu_ids).split(",")
+        assert all(i.strip().isdigit() for i in ids) and len(set(ids)) == len(ids), f"gpu_ids {config.gpu_ids!r}"
+        assert len(ids) == config.num_processes, "one process per listed GPU"
+    if config.num_machines > 1:
+        # every machine must name the same port: 0 would let each pick its own
+        assert port is not None and port >= 1024, "multi-node needs a fixed main_process_port"
 
 @pytest.mark.parametrize("name, processes", [("cpu.yaml", 1), ("cpu_2proc.yaml", 2)])
 def test_cpu_config_runs_with_its_process_count(name, processes, tmp_path):
