@@ -8,9 +8,10 @@
 #       scripts/train_mnist.py --cpu --checkpointing_steps 100 --resume_from_checkpoint latest
 #
 # Why not `accelerate launch --max_restarts N`? torchrun restarts the workers inside the
-# same launcher; after a SIGKILLed rank, the restarted gloo workers failed to connect here
-# (torch 2.15, CPU: "Gloo connectFullMesh failed ... Connection refused", 8 of 8 tries,
-# static and c10d rendezvous alike). A fresh launcher has no such state.
+# same launcher; after a rank was SIGKILLed during training, the restarted gloo workers
+# failed to connect here in 10 of 10 tries (torch 2.15, CPU, --rdzv_backend c10d:
+# "Gloo connectFullMesh failed ... Connection refused" or a hang in init_process_group).
+# A fresh launcher has no such state.
 set -u
 
 if [ $# -lt 2 ] || ! [[ $1 =~ ^[0-9]+$ ]]; then

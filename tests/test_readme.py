@@ -24,7 +24,16 @@ def bash_commands(text: str = README) -> list:
 
 
 def launch_commands() -> list:
-    return [c for c in bash_commands() if c.startswith("accelerate launch ")]
+    """Commands that run `accelerate launch`, directly or through a wrapper script."""
+    return [c for c in bash_commands() if "accelerate launch " in c]
+
+
+def runnable(command: str) -> list:
+    """The command's words, with `accelerate` run from this interpreter's environment."""
+    words = shlex.split(command)
+    at = words.index("accelerate")
+    prefix = ["bash", REPO / words[0]] if at > 0 else []  # e.g. scripts/restart_on_failure.sh 3 ...
+    return [*prefix, *words[1 if prefix else 0:at], *ACCELERATE, *words[at + 1:]]
 
 
 QUICKSTART_RUN = "accelerate launch scripts/train_mnist.py"
@@ -55,7 +64,9 @@ def test_launch_commands_name_existing_files_and_flags(launch_help):
     helps = {}
     assert launch_commands(), "the README shows how to launch"
     for command in launch_commands():
-        words = shlex.split(command)[2:]
+        wrapper = shlex.split(command)[0]
+        assert wrapper == "accelerate" or (REPO / wrapper).is_file(), command
+        words = shlex.split(command.split("accelerate launch ", 1)[1])
         script_at = next(i for i, w in enumerate(words) if w.endswith(".py"))
         launcher_words, script, script_words = words[:script_at], words[script_at], words[script_at + 1:]
         assert (REPO / script).is_file(), command
@@ -85,5 +96,5 @@ def test_launch_commands_run_on_cpu(command, tmp_path):
     data = make_synthetic_mnist(tmp_path / "data", num_train=128, num_test=40)
     out = tmp_path / "out"
     # The command as written, plus small data: on a machine where `accelerate config` was never run.
-    run([*ACCELERATE, *shlex.split(command)[1:], "--data_dir", data, "--epochs", "1", "--output_dir", out])
+    run([*runnable(command), "--data_dir", data, "--epochs", "1", "--output_dir", out])
     assert results(out)["eval_samples"] == 40
