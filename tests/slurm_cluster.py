@@ -101,6 +101,8 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
 KillWait=10
+# `sbatch --wait` polls after 2 s, then 8 s, then 32 s, unless MinJobAge <= 4 s: then every 2 s
+MinJobAge=4
 GresTypes=gpu
 {node_lines}
 PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP

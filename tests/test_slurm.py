@@ -67,14 +67,35 @@ def finish(cluster, sbatch: subprocess.Popen, log_dir, timeout=300):
     return job_id, logs
 
 
+def preempt_once_training_is_under_way(cluster, sbatch: subprocess.Popen, output_dir, timeout=180):
+    """USR1 to the batch shell once the first checkpoint exists, as `--signal=B:USR1@120` sends
+    it before the time limit; then lift the 2 minutes Slurm holds a requeued job."""
+    job_id = sbatch.stdout.readline().split(";")[0].strip()  # --parsable prints the id when submitted
+    deadline = time.monotonic() + timeout
+    while find_latest_checkpoint(output_dir) is None:
+        assert sbatch.poll() is None, f"job {job_id} ended before its first checkpoint\n{cluster.log_tail()}"
+        assert time.monotonic() < deadline, f"job {job_id}: no checkpoint after {timeout} s\n{cluster.log_tail()}"
+        time.sleep(0.05)
+    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    while cluster.job_field(job_id, "Restarts") == "0" or cluster.job_state(job_id) != "PENDING":
+        if sbatch.poll() is not None:  # finished without a requeue: the test below says so
+            return
+        assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
+        time.sleep(0.1)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+
 @pytest.fixture(scope="module")
-def two_jobs(cluster, data, tmp_path_factory):
-    """Both batch scripts at once: one node with 2 GPUs, and two nodes with 1 GPU each."""
+def jobs(cluster, data, tmp_path_factory):
+    """Both batch scripts at once, on the same data: one node with 2 GPUs, preempted while
+    it trains, and two nodes with 1 GPU each, left alone."""
     root = tmp_path_factory.mktemp("slurm_jobs")
-    single = submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node"))
-    multi = submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"))
-    return {"one_node": (root / "one_node", *finish(cluster, single, root)),
-            "two_nodes": (root / "two_nodes", *finish(cluster, multi, root))}
+    one_node = submit(cluster, root, 2, "submit_multigpu.sbatch",
+                      script_args(data, root / "one_node", "--checkpointing_steps", "3"))
+    two_nodes = submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"))
+    preempt_once_training_is_under_way(cluster, one_node, root / "one_node")
+    return {"one_node": (root / "one_node", *finish(cluster, one_node, root)),
+            "two_nodes": (root / "two_nodes", *finish(cluster, two_nodes, root))}
 
 
 def assert_complete_run(r, num_processes):
@@ -87,60 +108,50 @@ def assert_complete_run(r, num_processes):
     assert r["eval_accuracy"] >= 0.9
 
 
-def test_multigpu_job_takes_its_process_count_from_the_allocation(two_jobs):
-    output_dir, _, log = two_jobs["one_node"]
+def test_multigpu_job_takes_its_process_count_from_the_allocation(jobs):
+    output_dir, _, log = jobs["one_node"]
     assert_complete_run(results(output_dir), num_processes=2)  # --gpus-per-node=2
     assert ": 2 processes" in log
-    # the batch script's defaults: a checkpoint every epoch, so a requeued job can resume
-    assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
-def test_multinode_job_runs_one_machine_rank_per_node(two_jobs):
-    output_dir, job_id, log = two_jobs["two_nodes"]
+def test_multinode_job_runs_one_machine_rank_per_node(jobs):
+    output_dir, job_id, log = jobs["two_nodes"]
     assert_complete_run(results(output_dir), num_processes=2)  # 2 nodes x --gpus-per-node=1
     assert "2 nodes x 1 processes" in log
     # each srun task got its own rank, on its own node (not machine_rank 0 everywhere)
     assert "node1: machine_rank 0" in log and "node2: machine_rank 1" in log
     port = 20000 + int(job_id) % 20000
     assert f"machine 0 at 127.0.0.1:{port}" in log
+    # the batch script's defaults: a checkpoint every epoch, so a requeued job can resume
+    assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
-def test_one_node_and_two_nodes_train_identically(two_jobs):
-    """Same world size, same data: the topology must not change a single bit."""
-    one, two = results(two_jobs["one_node"][0]), results(two_jobs["two_nodes"][0])
+def test_preempted_job_requeued_itself_and_resumed_from_its_newest_checkpoint(jobs):
+    output_dir, _, log = jobs["one_node"]
+    assert "USR1" in log and "run 2," in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
+    r = results(output_dir)
+    assert r["resumed_from"] is not None and "step_" in r["resumed_from"], r["resumed_from"]
+    resumed_at = int(r["resumed_from"].rsplit("step_", 1)[1])
+    assert 3 <= resumed_at < EPOCHS * STEPS_PER_EPOCH and resumed_at % 3 == 0
+    assert_complete_run(r, num_processes=2)  # step and sample counts continue across the requeue
+
+
+def test_preempted_one_node_job_ends_exactly_like_the_uninterrupted_two_node_job(jobs):
+    """Same world size, same data: neither the topology nor the requeue changes a bit."""
+    one, two = results(jobs["one_node"][0]), results(jobs["two_nodes"][0])
     for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
                 "global_step", "samples_seen"):
         assert one[key] == two[key], key
 
 
-def test_preempted_job_requeues_itself_and_resumes_where_it_stopped(cluster, data, two_jobs, tmp_path):
-    """USR1 (what Slurm sends before the time limit) while training: the job requeues itself,
-    and the second run resumes from the newest checkpoint and ends exactly like an
-    uninterrupted run, the one-node job above."""
-    output_dir = tmp_path / "preempted"
-    sbatch = submit(cluster, tmp_path, 2, "submit_multigpu.sbatch",
-                    script_args(data, output_dir, "--checkpointing_steps", "3"))
-    job_id = sbatch.stdout.readline().split(";")[0].strip()  # --parsable prints the id when submitted
-
-    deadline = time.monotonic() + 180
-    while find_latest_checkpoint(output_dir) is None:  # wait until training is under way
-        assert sbatch.poll() is None and time.monotonic() < deadline, cluster.log_tail()
-        time.sleep(0.05)
-    cluster.run("scancel", "--batch", "--signal=USR1", job_id)  # the batch shell only, as --signal=B:USR1 does
-
-    # Slurm holds a requeued job for 2 minutes before it may start again; start it now.
-    while cluster.job_field(job_id, "Restarts") == "0" or cluster.job_state(job_id) != "PENDING":
-        assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
-        if sbatch.poll() is not None:
-            break
-        time.sleep(0.1)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
-    _, log = finish(cluster, sbatch, tmp_path)
-
-    r = results(output_dir)
-    assert "USR1" in log and "run 2," in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
-    assert r["resumed_from"] is not None and "step_" in r["resumed_from"], r["resumed_from"]
-    assert_complete_run(r, num_processes=2)  # the step and sample counts are continuous
-    uninterrupted = results(two_jobs["one_node"][0])
-    for key in ("parameter_fingerprints", "eval_accuracy", "eval_loss", "train_loss"):
-        assert r[key] == uninterrupted[key], key
+def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--gpus-per-node=0", f"--output={tmp_path}/%x-%j.out",
+         str(SLURM_DIR / "submit_multigpu.sbatch")],
+        cwd=REPO, env={**cluster.env, "CPU": "1"}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    (log,) = [p.read_text() for p in tmp_path.glob("*.out")]
+    assert log.strip() == (
+        "error: the job has no GPUs; submit with --gpus-per-node=N, or set PROCESSES_PER_NODE (with CPU=1 for CPUs)"
+    )
