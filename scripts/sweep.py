@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Train once per point of a hyperparameter grid, one run after the other, and print a table.
+
+    python scripts/sweep.py --grid learning_rate=1e-3,3e-3 --grid batch_size=32,64 \\
+        --config_file accelerate_configs/cpu_2proc.yaml -- scripts/train_mnist.py --cpu --epochs 1
+
+Every run is `accelerate launch --config_file C --main_process_port P SCRIPT ARGS
+--output_dir OUTPUT_DIR/NAME --learning_rate ... --batch_size ...`: its own output folder
+(NAME says its grid point) and its own port, so a run never reads another's checkpoints
+and never meets a port the previous run left behind. The table of results.json values is
+printed at the end and written to OUTPUT_DIR/summary.md. A run that finished before (its
+results.json exists) is not run again: an interrupted sweep continues where it stopped.
+"""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.flags import ArgumentParser  # noqa: E402
+
+# results.json keys shown in the table, with their format
+COLUMNS = {"eval_accuracy": "{:.4f}", "eval_loss": "{:.4f}", "train_loss": "{:.4f}",
+           "train_samples_per_second": "{:.0f}", "num_processes": "{}"}
+
+
+def parse_args(argv=None):
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--grid", action="append", required=True, metavar="FLAG=V1,V2,...",
+                        help="a flag of the training script and its values; repeat for more flags (all combinations run)")
+    parser.add_argument("--output_dir", default="outputs/sweep", help="one folder per run inside it, and summary.md")
+    parser.add_argument("--config_file", default=None, help="accelerate launch config; default: `accelerate config`'s")
+    parser.add_argument("--main_process_port", type=int, default=0,
+                        help="run i uses this port + i; 0: accelerate picks a free port for every run")
+    parser.add_argument("command", nargs="+", metavar="-- SCRIPT [ARGS]", help="the training script and its fixed flags")
+    return parser.parse_args(argv)
+
+
+def parse_grid(items) -> dict:
+    """['learning_rate=1e-3,3e-3'] -> {'learning_rate': ['1e-3', '3e-3']}; the script checks the values."""
+    grid = {}
+    for item in items:
+        name, _, values = item.partition("=")
+        name = name.strip().lstrip("-")
+        values = [v.strip() for v in values.split(",") if v.strip()]
+        if not name or not values:
+            raise UserError(f"--grid {item!r}: expected FLAG=VALUE[,VALUE...], e.g. --grid learning_rate=1e-3,3e-3")
+        if name in grid:
+            raise UserError(f"--grid {name} given twice; list all its values in one --grid {name}=V1,V2")
+        grid[name] = values
+    return grid
+
+
+def failure_reason(log_file: Path, exit_code: int) -> str:
+    """The run's own one-line error, if it printed one (our scripts do), else where to look."""
+    errors = [line for line in log_file.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+    return f"failed: {errors[-1][len('error: '):]}" if errors else f"failed (exit {exit_code}): see {log_file}"
+
+
+def markdown_table(header, rows) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = [header, ["-" * w for w in widths], *rows]
+    return "\n".join("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |" for line in lines)
+
+
+def main(args):
+    grid = parse_grid(args.grid)
+    script, *fixed_args = args.command
+    if not Path(script).is_file():
+        raise UserError(f"{script}: no such training script; give it after `--`, e.g. -- scripts/train_mnist.py --cpu")
+    output_root = Path(args.output_dir)
+    points = [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
+
+    rows, failures = [], 0
+    for index, point in enumerate(points):
+        name = "-".join(f"{flag}_{value}" for flag, value in point.items())
+        output_dir = output_root / name
+        results_file = output_dir / "results.json"
+        port = args.main_process_port + index if args.main_process_port else 0
+        # The same Python as this script, so the launcher and the training run in this environment.
+        cmd = [sys.executable, "-m", "accelerate.commands.launch"]
+        if args.config_file:
+            cmd += ["--config_file", args.config_file]
+        cmd += ["--main_process_port", str(port), script, *fixed_args, "--output_dir", str(output_dir)]
+        for flag, value in point.items():
+            cmd += [f"--{flag}", value]
+
+        if results_file.is_file():
+            status = "done before"
+        else:
+            print(f"[{index + 1}/{len(points)}] accelerate launch {' '.join(cmd[3:])}", flush=True)
+            output_dir.mkdir(parents=True, exist_ok=True)
+            with open(output_dir / "launch.log", "w") as log:
+                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+            status = "ok" if code == 0 and results_file.is_file() else failure_reason(output_dir / "launch.log", code)
+        if results_file.is_file():
+            results = json.loads(results_file.read_text())
+            cells = [fmt.format(results[key]) if results.get(key) is not None else "-" for key, fmt in COLUMNS.items()]
+        else:
+            failures += 1
+            cells = ["-"] * len(COLUMNS)
+        rows.append([*point.values(), *cells, status])
+
+    table = markdown_table([*grid, *COLUMNS, "status"], rows)
+    output_root.mkdir(parents=True, exist_ok=True)
+    (output_root / "summary.md").write_text(table + "\n")
+    print(table)
+    if failures:
+        raise UserError(f"{failures} of {len(points)} runs failed; their launch.log says why; rerun to retry only those")
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UserError as err:
+        exit_with_error(err)
