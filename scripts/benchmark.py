@@ -63,7 +63,7 @@ BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
 CSV_COLUMNS = (
     "model", "data_path", "method", "precision", "num_processes", "status", "reason", "runs",
     "samples_per_second", "samples_per_second_min", "samples_per_second_max", "time_per_epoch_s",
-    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max", "command",
+    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max", "ratio_to_ddp_best", "command",
 )
 # --quick: small enough for CI on 2 CPU cores, large enough for steady state after warm-up.
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
@@ -116,6 +116,8 @@ def parse_args(argv=None):
     out = parser.add_argument_group("output")
     out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, benchmark.json, *.png")
     out.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take")
+    out.add_argument("--rewrite_from", default=None, metavar="BENCHMARK_JSON",
+                     help="run nothing: rebuild the table, CSV and plots in --output_dir from the runs in a benchmark.json")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -266,6 +268,12 @@ def summarize_combination(combo, runs_by_round, skipped_reason):
             ratios.append(mine_now["samples_per_second"] / ddp_now["samples_per_second"])
     ratio = summarize(ratios)
     row.update(ratio_to_ddp=ratio["median"], ratio_to_ddp_min=ratio["min"], ratio_to_ddp_max=ratio["max"])
+    # Best of N against best of N: other work on the machine only ever slows a run down, so
+    # the fastest repeat is the least disturbed one (timeit reports its minimum for this reason).
+    ddp_ok = [runs[combo.baseline()] for runs in runs_by_round
+              if combo.baseline() in runs and runs[combo.baseline()]["status"] == "ok"]
+    if ddp_ok:
+        row["ratio_to_ddp_best"] = speed["max"] / max(r["samples_per_second"] for r in ddp_ok)
     return row
 
 
@@ -282,8 +290,9 @@ def write_markdown(path, rows):
     def fmt(value, spec):
         return format(value, spec) if value is not None else "-"
 
-    lines = ["| model | data | method | precision | processes | samples/s (min-max) | s/epoch | peak MB | accuracy | ÷ DDP (min-max) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | data | method | precision | processes | samples/s median (min-max) | s/epoch | peak MB "
+             "| accuracy | ÷ DDP median (min-max) | ÷ DDP best of N |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["samples_per_second"] is None:
             continue
@@ -291,7 +300,8 @@ def write_markdown(path, rows):
         lines.append(
             f"| {r['model']} | {r['data_path']} | {r['method']} | {r['precision']} | {r['num_processes']} "
             f"| {r['samples_per_second']:.0f} ({r['samples_per_second_min']:.0f}-{r['samples_per_second_max']:.0f}) "
-            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} | {fmt(r['eval_accuracy'], '.4f')} | {ratio} |"
+            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} | {fmt(r['eval_accuracy'], '.4f')} | {ratio} "
+            f"| {fmt(r['ratio_to_ddp_best'], '.3f')} |"
         )
     not_measured = [r for r in rows if r["samples_per_second"] is None]
     if not_measured:
@@ -376,7 +386,31 @@ def print_table(rows):
               + (f"  ({r['reason']})" if r["reason"] else ""))
 
 
+def rewrite(args):
+    """The outputs again from the runs recorded in a benchmark.json (e.g. after a change to the plots)."""
+    try:
+        report = json.loads(Path(args.rewrite_from).read_text())
+        keys = ("model", "data_path", "method", "precision", "num_processes")
+        combinations = [Combination(*(row[k] for k in keys)) for row in report["rows"]]
+        skipped = {c: row["reason"] if row["status"] == "skipped" else None for c, row in zip(combinations, report["rows"])}
+        runs_by_round = [{} for _ in range(1 + max((run["round"] for run in report["runs"]), default=-1))]
+        for run in report["runs"]:
+            runs_by_round[run["round"]][Combination(*(run[k] for k in keys))] = run
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"--rewrite_from {args.rewrite_from}: not a benchmark.json written by this script ({type(err).__name__})") from None
+    rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_csv(output_dir / "benchmark.csv", rows)
+    write_markdown(output_dir / "benchmark.md", rows)
+    write_json_atomically(output_dir / "benchmark.json", {**report, "rows": rows})
+    plot(rows, output_dir)
+    print_table(rows)
+
+
 def main(args):
+    if args.rewrite_from is not None:
+        return rewrite(args)
     load_before = os.getloadavg()[0]  # a busy machine makes every number smaller: recorded with them
     on_cpu = args.cpu or not torch.cuda.is_available()
     num_gpus = 0 if on_cpu else torch.cuda.device_count()

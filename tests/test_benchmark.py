@@ -66,8 +66,9 @@ def test_measured_rows_hold_sane_numbers(quick):
         assert 0.5 <= number(row["eval_accuracy"]) <= 1.0, row  # the generated digits are easy; chance is 0.1
         assert row["eval_samples"] == "203", row  # exact on 2 processes (203 is odd)
         assert math.isfinite(number(row["ratio_to_ddp"])) and number(row["ratio_to_ddp"]) > 0, row
+        assert number(row["ratio_to_ddp_best"]) > 0, row
         if row["method"] == "ddp":
-            assert number(row["ratio_to_ddp"]) == 1.0
+            assert number(row["ratio_to_ddp"]) == number(row["ratio_to_ddp_best"]) == 1.0
         assert str(REPO / "scripts") in row["command"] and "--cpu" in row["command"], row
     # The scripts users copy are what is timed on the DataLoader path.
     assert "scripts/train_mnist.py" in rows[("mnist", "dataloader", "accelerate", "fp32", "2")]["command"]
@@ -101,6 +102,14 @@ def test_markdown_table_lists_measured_rows_then_skipped_ones_with_reasons(quick
     measured = [line for line in text.splitlines() if line.startswith("| mnist |")]
     assert len(measured) == sum(r["status"] == "ok" for r in rows.values()) == 4
     assert "mnist/device/dataparallel/fp32/2p: skipped, nn.DataParallel needs 2 or more GPUs" in text
+
+
+def test_rewrite_from_json_rebuilds_the_same_table_without_running_anything(quick, tmp_path):
+    out, _, _, _ = quick
+    run([sys.executable, BENCHMARK, "--rewrite_from", out / "benchmark.json", "--output_dir", tmp_path])
+    assert (tmp_path / "benchmark.csv").read_text() == (out / "benchmark.csv").read_text()
+    assert (tmp_path / "benchmark.md").read_text() == (out / "benchmark.md").read_text()
+    assert (tmp_path / "throughput.png").is_file() and (tmp_path / "scaling.png").is_file()
 
 
 def test_plots_are_pngs_with_content(quick):
