@@ -10,6 +10,9 @@ from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args,
 sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
 
+from utils.errors import UserError  # noqa: E402
+from utils.launch_config import check_launch_config  # noqa: E402
+
 
 def train(*args, **kwargs):
     """The script in one process, no launcher: the launcher adds its own report to failures."""
@@ -119,3 +122,34 @@ def test_multi_process_launch_without_cpu_flag_is_caught(data, tmp_path):
 def test_errors_through_the_launcher_with_two_processes(tmp_path):
     proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", tmp_path / "out"], num_processes=2, check=False)
     assert_clean_user_error(proc, "--data_dir", "no such directory")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("distributed_type: MULTI_GPU\nnum_processes: [2\n", ["not valid YAML", "line 3"]),
+    ("distributed_type: MULTI_GPU\nnum_processs: 2\n", ["not an accelerate config", "num_processs"]),
+    ("distributed_type: MULTI_GPUS\nnum_processes: 2\n", ["not an accelerate config", "MULTI_GPUS"]),
+    ("distributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n", ["MULTI_CPU without mpirun starts one process"]),
+    ("distributed_type: 'NO'\nnum_processes: 2\n", ["'NO' starts one process, not 2"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 3\nnum_machines: 2\nmachine_rank: 2\n",
+     ["a multiple of num_machines (2)", "machine_rank (2) must be between 0 and num_machines - 1"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmain_process_port: 80\n", ["main_process_port 80"]),
+])
+def test_malformed_or_inconsistent_launch_config(tmp_path, text, words):
+    """accelerate launch answers these with a traceback, or silently starts the wrong number
+    of processes; the checker names the problem in one line."""
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(UserError) as err:
+        check_launch_config(config)
+    for word in [str(config), *words]:
+        assert word in str(err.value)
+
+
+def test_launch_config_checker_command(tmp_path):
+    from helpers import REPO
+
+    configs = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+    (tmp_path / "bad.yaml").write_text("distributed_type: 'NO'\nnum_processes: 2\n")
+    proc = run([sys.executable, "-m", "utils.launch_config", *configs, tmp_path / "bad.yaml"], check=False)
+    assert proc.stdout.count("ok: ") == len(configs)
+    assert_clean_user_error(proc, "bad.yaml", "starts one process")

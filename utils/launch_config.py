@@ -1,0 +1,77 @@
+"""Check an accelerate launch config (YAML) before launching: one line per problem.
+
+`accelerate launch --config_file F` answers a YAML it cannot read with a traceback, and
+runs some inconsistent ones without complaint (a `MULTI_CPU` config without mpirun starts
+one process, a `'NO'` config with `num_processes: 2` starts one). This names the problem:
+
+    python -m utils.launch_config accelerate_configs/*.yaml
+"""
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from utils.errors import UserError, exit_with_error
+
+
+def check_launch_config(path) -> str:
+    """A one-line summary of the topology, or UserError naming what is wrong and the fix."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such config file; run `accelerate config --config_file {path}` to write one")
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise UserError(f"{path} is not valid YAML ({where}{getattr(err, 'problem', err)}); fix the syntax") from None
+    try:
+        config = load_config_from_file(str(path))
+    except (TypeError, ValueError, AttributeError) as err:  # unknown keys, bad enum values, missing fields
+        reason = " ".join(str(err).split())
+        raise UserError(f"{path} is not an accelerate config ({reason}); compare with accelerate_configs/") from None
+
+    kind = config.distributed_type.value
+    processes, machines, rank = config.num_processes, config.num_machines, config.machine_rank
+    problems = []
+    if processes < 1 or machines < 1:
+        problems.append(f"num_processes ({processes}) and num_machines ({machines}) must be at least 1")
+    elif processes % machines:
+        problems.append(f"num_processes ({processes}) is the total over all machines: a multiple of num_machines ({machines})")
+    if not 0 <= rank < max(machines, 1):
+        problems.append(f"machine_rank ({rank}) must be between 0 and num_machines - 1 ({machines - 1})")
+    if kind == "NO" and processes > 1:
+        problems.append(f"distributed_type 'NO' starts one process, not {processes}; use MULTI_GPU")
+    if kind == "MULTI_CPU" and processes > 1 and not config.mpirun_config:
+        problems.append(
+            "MULTI_CPU without mpirun starts one process; for several CPU processes use distributed_type "
+            "MULTI_GPU with use_cpu: true and pass --cpu to the script"
+        )
+    port = config.main_process_port
+    if port is not None and not (port == 0 or 1024 <= port <= 65535):
+        problems.append(f"main_process_port {port} is not a usable port (0 picks a free one; else 1024-65535)")
+    if problems:
+        raise UserError(f"{path}: " + "; ".join(problems))
+    precision = config.mixed_precision.value if hasattr(config.mixed_precision, "value") else config.mixed_precision
+    device = "CPU" if config.use_cpu else "GPU"
+    return f"{path}: {kind}, {processes} process(es) on {machines} machine(s), {device}, mixed precision {precision}"
+
+
+def main(paths) -> int:
+    if not paths:
+        exit_with_error("usage: python -m utils.launch_config CONFIG.yaml [...]", status=2)
+    failed = False
+    for path in paths:
+        try:
+            print(f"ok: {check_launch_config(path)}")
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
