@@ -1,0 +1,245 @@
+"""Topologies beyond one machine's default, run for real on CPU processes: two machines
+(two network namespaces joined by a veth pair), a busy port, a GPU subset, a sweep."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from helpers import REPO, TRAIN_MNIST, results, run
+
+CONFIG_DIR = REPO / "accelerate_configs"
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+TRAIN_ARGS = ["--epochs", "1", "--batch_size", "32"]
+
+
+def train_args(data, output_dir):
+    return [TRAIN_MNIST, "--cpu", "--data_dir", data, "--output_dir", output_dir, *TRAIN_ARGS]
+
+
+@pytest.fixture
+def busy_port():
+    """A port some other program is listening on."""
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def finish(procs, timeout=300):
+    """Wait for processes started together; on a timeout stop them all (a hung rendezvous)."""
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=timeout))
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        raise AssertionError(f"launchers still running after {timeout} s: init hangs") from None
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, f"{' '.join(map(str, proc.args))} exited {proc.returncode}\n{stderr[-5000:]}"
+    return [stdout + stderr for stdout, stderr in outputs]
+
+
+# ---------------------------------------------------------------- one machine, two jobs, one busy port
+
+
+@pytest.fixture(scope="module")
+def two_jobs_on_a_busy_port(synthetic_mnist, tmp_path_factory):
+    """Two 2-process jobs started at the same moment, both told to use a port that is taken:
+    accelerate (one machine) moves each to a free port of its own."""
+    root = tmp_path_factory.mktemp("busy_port")
+    with socket.socket() as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        procs = [
+            subprocess.Popen(
+                [str(c) for c in [*LAUNCH, "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--main_process_port", port,
+                                  *train_args(synthetic_mnist, root / f"job{i}")]],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )
+            for i in (0, 1)
+        ]
+        logs = finish(procs)
+    return [root / "job0", root / "job1"], logs, port
+
+
+def test_two_jobs_on_one_machine_do_not_collide_and_a_busy_port_is_replaced(two_jobs_on_a_busy_port):
+    (job0, job1), logs, port = two_jobs_on_a_busy_port
+    for log in logs:
+        assert f"Port `{port}` is already in use" in log
+    r0, r1 = results(job0), results(job1)
+    assert r0["num_processes"] == r1["num_processes"] == 2
+    assert r0["eval_samples"] == 203
+    assert r0["parameter_fingerprints"] == r1["parameter_fingerprints"]  # same run twice, undisturbed
+
+
+def test_busy_port_on_machine_0_of_several_stops_with_a_clear_message(busy_port, tmp_path):
+    """With several machines the port cannot move (the others would not know): accelerate stops."""
+    proc = run([*LAUNCH, "--config_file", CONFIG_DIR / "multi_node.yaml", "--num_processes", "2",
+                "--mixed_precision", "no", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+                "--main_process_port", busy_port, TRAIN_MNIST, "--cpu", "--output_dir", tmp_path / "out"],
+               check=False, timeout=120)
+    assert proc.returncode != 0
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith(f"ConnectionError: Tried to launch distributed communication on port `{busy_port}`")
+    assert "another process is utilizing it" in last_line
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- two machines
+
+
+@pytest.fixture(scope="module")
+def two_machines():
+    """Machine 0 and machine 1 as two network namespaces joined by a veth pair, each with its
+    own address: [(command prefix, address, interface)] for machines 0 and 1. Where namespaces
+    cannot be made (not root, no `ip`), both machines are this one's loopback, and we say so."""
+    tag = f"acc{os.getpid() % 100000}"
+    namespaces, links = [f"{tag}m0", f"{tag}m1"], [f"{tag}v0", f"{tag}v1"]
+    subnet = f"10.213.{os.getpid() % 250}"
+    addresses = [f"{subnet}.1", f"{subnet}.2"]
+    setup = [
+        *(["ip", "netns", "add", ns] for ns in namespaces),
+        ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]],
+        *(["ip", "link", "set", link, "netns", ns] for link, ns in zip(links, namespaces)),
+        *(["ip", "-n", ns, "addr", "add", f"{address}/30", "dev", link]
+          for ns, address, link in zip(namespaces, addresses, links)),
+        *(["ip", "-n", ns, "link", "set", dev, "up"] for ns, link in zip(namespaces, links) for dev in ("lo", link)),
+    ]
+    problem = None
+    if shutil.which("ip") is None:
+        problem = "the `ip` command (Debian package iproute2) is missing"
+    elif os.geteuid() != 0:
+        problem = "creating network namespaces needs root"
+    else:
+        for cmd in setup:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                problem = f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}"
+                break
+    try:
+        if problem is None:
+            yield [(["ip", "netns", "exec", ns], address, link) for ns, address, link in zip(namespaces, addresses, links)]
+        else:
+            warnings.warn(f"multi-node test runs over loopback, not two network namespaces: {problem}")
+            yield [([], "127.0.0.1", "lo"), ([], "127.0.0.1", "lo")]
+    finally:
+        for ns in namespaces:  # deleting a namespace deletes its end of the veth pair, and so the pair
+            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+
+
+def test_two_machines_form_one_group_and_match_one_machine_with_two_processes(
+        two_machines, synthetic_mnist, two_jobs_on_a_busy_port, tmp_path):
+    """accelerate_configs/multi_node.yaml with one process per machine, exactly as a user runs
+    it on two hosts: the same command on both, --machine_rank 0 and 1, machine 0's address."""
+    machine_0_address = two_machines[0][1]
+    port = 29500 if two_machines[0][0] else free_port()  # a fresh namespace has every port free
+    procs = []
+    for rank, (prefix, _, interface) in enumerate(two_machines):
+        env = {
+            **os.environ,
+            # gloo announces the address its host name resolves to (127.0.0.1 here), which
+            # machine 1 cannot reach: name the interface, as on hosts with several networks.
+            "GLOO_SOCKET_IFNAME": interface,
+            # torchrun gives each of several processes per machine 1 thread but leaves a single
+            # one all cores: equal threads make the results comparable bit for bit.
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [*prefix, *LAUNCH, "--config_file", CONFIG_DIR / "multi_node.yaml",
+               "--num_processes", "2", "--mixed_precision", "no", "--machine_rank", rank,
+               "--main_process_ip", machine_0_address, "--main_process_port", port,
+               *train_args(synthetic_mnist, tmp_path / "two_machines")]
+        procs.append(subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    finish(procs, timeout=240)
+
+    two_machines_result = results(tmp_path / "two_machines")
+    one_machine_result = results(two_jobs_on_a_busy_port[0][0])
+    assert two_machines_result["num_processes"] == 2  # the total over both machines
+    assert two_machines_result["eval_samples"] == 203
+    assert len(set(two_machines_result["parameter_fingerprints"])) == 1
+    for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
+                "global_step", "samples_seen"):
+        assert two_machines_result[key] == one_machine_result[key], key
+
+
+# ---------------------------------------------------------------- a subset of the GPUs
+
+PROBE = """\
+import json, os, sys
+keys = ("CUDA_VISIBLE_DEVICES", "WORLD_SIZE", "RANK", "LOCAL_RANK")
+report = {key: os.environ.get(key) for key in keys}
+if len(sys.argv) > 2:
+    import torch
+    report["device_count"] = torch.cuda.device_count()
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump(report, f)
+"""
+
+
+def launch_probe(tmp_path, *probe_args):
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    run([*LAUNCH, "--config_file", CONFIG_DIR / "multi_gpu_subset.yaml", "--mixed_precision", "no",
+         probe, tmp_path, *probe_args], timeout=120)
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_gpu_subset_config_shows_each_process_only_gpus_2_and_3(tmp_path):
+    reports = launch_probe(tmp_path)
+    assert [r["CUDA_VISIBLE_DEVICES"] for r in reports] == ["2,3", "2,3"]
+    assert [r["WORLD_SIZE"] for r in reports] == ["2", "2"]
+    assert [r["LOCAL_RANK"] for r in reports] == ["0", "1"]  # process i trains on cuda:i = physical GPU 2 + i
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs to select GPUs 2 and 3; CI has none")
+def test_gpu_subset_config_leaves_two_gpus_visible(tmp_path):
+    assert [r["device_count"] for r in launch_probe(tmp_path, "count")] == [2, 2]
+
+
+# ---------------------------------------------------------------- sweep
+
+
+def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synthetic_mnist, tmp_path):
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.003,0.01",
+           "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--output_dir", root,
+           "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, *TRAIN_ARGS]
+    proc = run(cmd, timeout=300)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 2, proc.stdout
+    for row, learning_rate in zip(rows, (0.003, 0.01)):
+        r = results(root / f"learning_rate_{learning_rate}")
+        assert r["learning_rate"] == learning_rate and r["num_processes"] == 2 and r["eval_samples"] == 203
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        assert cells[:2] == [str(learning_rate), f"{r['eval_accuracy']:.4f}"] and cells[-1] == "ok"
+    # the grid value reached the script: the two runs trained differently
+    assert results(root / "learning_rate_0.003")["train_loss"] != results(root / "learning_rate_0.01")["train_loss"]
+    assert (root / "summary.md").read_text().strip() == "\n".join(proc.stdout.strip().splitlines()[-4:])
+
+    # Run again (as after an interruption): finished runs are not repeated.
+    again = run(cmd, timeout=60)
+    assert "accelerate launch" not in again.stdout and again.stdout.count("done before") == 2
+
+
+def test_sweep_rejects_a_malformed_grid_with_one_line(tmp_path):
+    proc = run([sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate", "--output_dir", tmp_path,
+                "--", TRAIN_MNIST], check=False)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: --grid 'learning_rate': expected FLAG=VALUE[,VALUE...], e.g. --grid learning_rate=1e-3,3e-3"
+    )
+    assert not any(tmp_path.iterdir())
