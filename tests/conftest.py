@@ -1,19 +1,18 @@
+import os
+import tempfile
+
 import pytest
 
 from helpers import make_synthetic_mnist
 
-
-@pytest.fixture(autouse=True, scope="session")
-def hermetic_hub(tmp_path_factory):
-    """No network and no user caches or `accelerate config` defaults leak into the tests."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf_home")))
-    mp.setenv("HF_HUB_OFFLINE", "1")
-    mp.setenv("HF_DATASETS_OFFLINE", "1")
-    mp.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
-    mp.delenv("ACCELERATE_CONFIG_FILE", raising=False)
-    yield
-    mp.undo()
+# No network, and no user caches or `accelerate config` defaults leak into the tests. Set at
+# import time: `datasets` and `huggingface_hub` read these when they are first imported, which
+# happens while test modules are collected, before any fixture runs.
+os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="tests_hf_home_")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
+os.environ.pop("ACCELERATE_CONFIG_FILE", None)
 
 
 @pytest.fixture(scope="session")
