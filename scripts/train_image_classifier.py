@@ -28,11 +28,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
+from utils.checkpoints import find_latest_checkpoint, read_training_state, resolve_checkpoint, save_checkpoint  # noqa: E402
 from utils.errors import UserError, check_accelerator, check_enough_devices, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, positive_int  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
-from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
 from utils.vision import (  # noqa: E402
     TransformedImages,
     build_model,
@@ -227,16 +227,10 @@ def main(args):
     # Resume: weights, optimizer, scheduler, GradScaler and RNG states come back with
     # load_state; where to continue comes from training_state.json.
     global_step, starting_epoch, resume_batches, samples_seen, steps_skipped = 0, 0, 0, 0, 0
-    checkpoint = args.resume_from_checkpoint
-    if checkpoint == "latest":
-        checkpoint = find_latest_checkpoint(output_dir)
-        if checkpoint is None:
-            if args.eval_only:
-                raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; pass a checkpoint folder")
-            logger.info(f"No checkpoint in {output_dir} yet: starting from scratch")
+    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, output_dir, args.eval_only)
+    if checkpoint is None and args.resume_from_checkpoint == "latest":
+        logger.info(f"No checkpoint in {output_dir} yet: starting from scratch")
     if checkpoint is not None:
-        if not Path(checkpoint).is_dir():
-            raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
         training_state = read_training_state(checkpoint)
         try:
             accelerator.load_state(str(checkpoint))  # [accelerate]
@@ -250,10 +244,7 @@ def main(args):
 
     # Only now, with data, model and checkpoint all valid, does the run write anything.
     if accelerator.is_main_process:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+        create_output_dir(output_dir)
     if args.with_tracking:
         hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("train_image_classifier", config=hparams)  # [accelerate]

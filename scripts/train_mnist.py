@@ -22,13 +22,13 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.checkpoints import find_latest_checkpoint, read_training_state, save_checkpoint  # noqa: E402
+from utils.checkpoints import find_latest_checkpoint, read_training_state, resolve_checkpoint, save_checkpoint  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, check_enough_devices, check_accelerator, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.results import ThroughputMeter, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -118,16 +118,10 @@ def main(args):
     # Resume: weights, optimizer, scheduler, GradScaler and RNG states come back with
     # load_state; where to continue comes from training_state.json.
     global_step, starting_epoch, resume_batches, samples_seen, steps_skipped = 0, 0, 0, 0, 0
-    checkpoint = args.resume_from_checkpoint
-    if checkpoint == "latest":
-        checkpoint = find_latest_checkpoint(output_dir)
-        if checkpoint is None:
-            if args.eval_only:
-                raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; pass a checkpoint folder")
-            logger.info(f"No checkpoint in {output_dir} yet: starting from scratch")
+    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, output_dir, args.eval_only)
+    if checkpoint is None and args.resume_from_checkpoint == "latest":
+        logger.info(f"No checkpoint in {output_dir} yet: starting from scratch")
     if checkpoint is not None:
-        if not Path(checkpoint).is_dir():
-            raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
         training_state = read_training_state(checkpoint)
         try:
             accelerator.load_state(str(checkpoint))  # [accelerate]
@@ -141,10 +135,7 @@ def main(args):
 
     # Only now, with data, model and checkpoint all valid, does the run write anything.
     if accelerator.is_main_process:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+        create_output_dir(output_dir)
     if args.with_tracking:
         hparams = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
         accelerator.init_trackers("train_mnist", config=hparams)  # [accelerate]

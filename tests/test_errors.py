@@ -1,7 +1,5 @@
 """Mistakes a user can make end with one clear line, a non-zero exit and no traceback."""
 
-import gzip
-import shutil
 import sys
 
 import pytest

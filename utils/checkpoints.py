@@ -72,3 +72,22 @@ def list_checkpoints(output_dir) -> list:
 def find_latest_checkpoint(output_dir):
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = False):
+    """What `--resume_from_checkpoint {latest,PATH}` points at: a folder, or None to start fresh.
+
+    'latest' with nothing saved yet means a first start (one command line serves the first
+    start and every restart); --eval_only has nothing to evaluate then.
+    """
+    if resume_from_checkpoint is None:
+        return None
+    if resume_from_checkpoint == "latest":
+        checkpoint = find_latest_checkpoint(output_dir)
+        if checkpoint is None and eval_only:
+            raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; pass a checkpoint folder")
+        return checkpoint
+    checkpoint = Path(resume_from_checkpoint)
+    if not checkpoint.is_dir():
+        raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
+    return checkpoint

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from utils.errors import UserError
+
 
 class ThroughputMeter:
     """Wall time of the training steps only (evaluation and checkpoint saving excluded).
@@ -72,3 +74,10 @@ def write_json_atomically(path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def create_output_dir(output_dir) -> None:
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
