@@ -1,0 +1,181 @@
+"""docs/migration_guide.md stays true: its snippets run (or at least compile), its commands and
+launch.json name files and flags that exist, and its links lead somewhere.
+
+Marker convention, on the line before a ```python fence (every Python block needs one):
+    <!-- runnable -->                      python snippet.py
+    <!-- runnable: accelerate launch 2 --> accelerate launch --multi_gpu --num_processes 2 --main_process_port 0
+    <!-- runnable: torchrun 2 -->          python -m torch.distributed.run --standalone --nproc_per_node 2
+    <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
+Runnable snippets run on the CPU in a temporary folder and must assert what the text claims.
+"""
+
+import json
+import re
+import shlex
+import socket
+import sys
+
+import pytest
+from helpers import REPO, launcher_args, run
+from test_readme import ACCELERATE, _help, bash_commands
+
+GUIDE_PATH = REPO / "docs" / "migration_guide.md"
+GUIDE = GUIDE_PATH.read_text()
+README = (REPO / "README.md").read_text()
+
+FENCE = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.S)
+RUNNERS = {
+    "runnable": lambda path: [sys.executable, path],
+    "runnable: accelerate launch 2": lambda path: [*launcher_args(2), path],
+    "runnable: torchrun 2": lambda path: [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                          "--nproc_per_node", "2", path],
+}
+
+
+def fenced_blocks(text: str = GUIDE) -> list:
+    """(name, marker, language, code) of every fenced block; name = section slug + line number."""
+    blocks = []
+    for match in FENCE.finditer(text):
+        line = text.count("\n", 0, match.start("code"))
+        section = ([""] + re.findall(r"^## (.*)$", text[: match.start()], flags=re.M))[-1]
+        name = f"{slug(section)[:40]}-L{line}"
+        blocks.append((name, match["marker"], match["lang"], match["code"]))
+    return blocks
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+PYTHON = [b for b in fenced_blocks() if b[2] == "python"]
+RUNNABLE = [pytest.param(marker, code, id=name) for name, marker, _, code in PYTHON if marker in RUNNERS]
+COMPILE_ONLY = [pytest.param(code, id=name) for name, marker, _, code in PYTHON
+                if marker and marker.startswith("compile-only: ")]
+
+
+def test_every_python_block_is_marked_and_runnable_ones_assert():
+    for name, marker, _, code in PYTHON:
+        assert marker in RUNNERS or (marker or "").startswith("compile-only: "), f"{name}: unknown marker {marker!r}"
+    for name, marker, _, code in PYTHON:
+        if marker in RUNNERS:
+            assert re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.M), f"{name} checks nothing"
+    # before and after side by side: some of each kind, several distributed ones actually run
+    assert len(RUNNABLE) >= 10 and len(COMPILE_ONLY) >= 6
+    assert sum("torchrun" in p.values[0] for p in RUNNABLE) >= 3
+    assert sum("accelerate launch" in p.values[0] for p in RUNNABLE) >= 5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("marker, code", RUNNABLE)
+def test_runnable_snippet(marker, code, tmp_path):
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(code)
+    # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
+    proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240,
+               env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
+    assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.mark.parametrize("code", COMPILE_ONLY)
+def test_compile_only_snippet_compiles(code):
+    compile(code, "snippet.py", "exec")
+
+
+# ---------------------------------------------------------------- commands, launch.json, links
+
+REPO_PATH = re.compile(r"^(scripts|accelerate_configs|utils|tests|docs)/")
+
+
+@pytest.fixture(scope="module")
+def helps():
+    """--help texts, fetched once per program."""
+    cache = {}
+
+    def get(*program):
+        if program not in cache:
+            cache[program] = _help(list(program) + ["--help"])
+        return cache[program]
+    return get
+
+
+def assert_flags_exist(flags, help_text, context):
+    for flag in (w.split("=")[0] for w in flags if w.startswith("--")):
+        assert re.search(rf"{re.escape(flag)}\b", help_text), f"no {flag}: {context}"
+
+
+def assert_script_and_flags(words, help_of, command):
+    """words: SCRIPT FLAGS... of one of our scripts (a user's own train.py is not checked)."""
+    script, script_flags = words[0], words[1:]
+    if REPO_PATH.match(script):
+        assert_flags_exist(script_flags, help_of(sys.executable, str(REPO / script)), command)
+
+
+def check_command(command: str, help_of):
+    words = shlex.split(command)
+    while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value prefixes
+        words.pop(0)
+    for word in words:
+        if REPO_PATH.match(word):
+            assert (REPO / word).exists(), f"{word} does not exist: {command}"
+    program = words[0]
+    if words[:2] == ["accelerate", "launch"]:
+        words = words[2:]
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        assert_flags_exist(words[:at], help_of(*ACCELERATE, "launch"), command)
+        assert_script_and_flags(words[at:], help_of, command)
+    elif words[:2] == ["accelerate", "config"]:
+        assert_flags_exist(words[2:], help_of(*ACCELERATE, "config"), command)
+    elif program == "torchrun":
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        assert_flags_exist(words[1:at], help_of(sys.executable, "-m", "torch.distributed.run"), command)
+        assert_script_and_flags(words[at:], help_of, command)
+    elif program == "sbatch":  # sbatch [its options] BATCH_SCRIPT [training script and flags]
+        at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
+        if len(words) > at + 1:
+            assert_script_and_flags(words[at + 1:], help_of, command)
+    elif program == "pip":
+        assert words[1:] == ["install", "-r", "requirements.txt"] and (REPO / "requirements.txt").is_file(), command
+    elif words[:3] == ["python", "-m", "pytest"]:
+        assert (REPO / words[-1]).is_dir(), command
+    elif program == "python":  # python SCRIPT FLAGS [-- SCRIPT FLAGS], e.g. a sweep that launches a script
+        before, _, after = " ".join(map(shlex.quote, words[1:])).partition(" -- ")
+        assert_script_and_flags(shlex.split(before), help_of, command)
+        if after:
+            assert_script_and_flags(shlex.split(after), help_of, command)
+    elif program in ("horovodrun", "ss"):
+        pass  # Horovod is not installed (the "before" side); ss is iproute2's
+    else:
+        raise AssertionError(f"no rule checks {program!r}; add one: {command}")
+
+
+@pytest.mark.parametrize("document", ["docs/migration_guide.md", "README.md"])
+def test_commands_name_existing_files_and_flags(document, helps):
+    commands = bash_commands((REPO / document).read_text())
+    assert commands
+    for command in commands:
+        check_command(command, helps)
+
+
+def test_launch_json_runs_the_launcher_on_our_script(helps):
+    (config,) = [json.loads(code) for _, _, lang, code in fenced_blocks() if lang == "json"]
+    (entry,) = config["configurations"]
+    assert entry["module"] == "accelerate.commands.launch" and entry["request"] == "launch"
+    args = entry["args"]
+    assert args[args.index("--num_processes") + 1] == "1"  # one process: the debugger follows it
+    check_command(shlex.join(["accelerate", "launch", *args]), helps)
+    assert entry["env"]["ACCELERATE_DEBUG_MODE"] == "1"
+
+
+def test_links_lead_somewhere():
+    anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", GUIDE, flags=re.M)}
+    for target in re.findall(r"\]\(#([^)]+)\)", GUIDE):
+        assert target in anchors, f"no heading for #{target}"
+    for path in set(re.findall(r"`((?:scripts|accelerate_configs|utils|tests|docs)/[\w./-]+)`", GUIDE)):
+        assert (REPO / path).exists(), path
+    assert "(docs/migration_guide.md)" in README, "the README links the guide"
