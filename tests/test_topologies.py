@@ -215,10 +215,13 @@ def test_gpu_subset_config_leaves_two_gpus_visible(tmp_path):
 
 def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synthetic_mnist, tmp_path):
     root = tmp_path / "sweep"
+    base_port = free_port()
     cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.003,0.01",
-           "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--output_dir", root,
+           "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--output_dir", root, "--main_process_port", base_port,
            "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, *TRAIN_ARGS]
     proc = run(cmd, timeout=300)
+    launched = [line for line in proc.stdout.splitlines() if " accelerate launch " in line]
+    assert [f"--main_process_port {base_port + i} " in line for i, line in enumerate(launched)] == [True, True]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0.")]
     assert len(rows) == 2, proc.stdout
     for row, learning_rate in zip(rows, (0.003, 0.01)):
