@@ -132,7 +132,8 @@ def two_machines():
                 break
     try:
         if problem is None:
-            yield [(["ip", "netns", "exec", ns], address, link) for ns, address, link in zip(namespaces, addresses, links)]
+            yield [(["ip", "netns", "exec", ns], address, link)
+                   for ns, address, link in zip(namespaces, addresses, links)]
         else:
             warnings.warn(f"multi-node test runs over loopback, not two network namespaces: {problem}")
             yield [([], "127.0.0.1", "lo"), ([], "127.0.0.1", "lo")]
