@@ -28,14 +28,15 @@ COLUMNS = {"eval_accuracy": "{:.4f}", "eval_loss": "{:.4f}", "train_loss": "{:.4
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0],
+                            usage="%(prog)s --grid FLAG=V1,V2,... [--grid ...] [options] -- SCRIPT [ARGS ...]")
     parser.add_argument("--grid", action="append", required=True, metavar="FLAG=V1,V2,...",
                         help="a training script flag and its values; repeat for more flags (all combinations run)")
     parser.add_argument("--output_dir", default="outputs/sweep", help="one folder per run inside it, and summary.md")
     parser.add_argument("--config_file", default=None, help="accelerate launch config; default: `accelerate config`'s")
     parser.add_argument("--main_process_port", type=int, default=0,
                         help="run i uses this port + i; 0: accelerate picks a free port for every run")
-    parser.add_argument("command", nargs="+", metavar="-- SCRIPT [ARGS]", help="training script and its fixed flags")
+    parser.add_argument("command", nargs="+", metavar="SCRIPT [ARGS ...]", help="training script and its fixed flags")
     return parser.parse_args(argv)
 
 
@@ -109,7 +110,7 @@ def main(args):
     (output_root / "summary.md").write_text(table + "\n")
     print(table)
     if failures:
-        raise UserError(f"{failures} of {len(points)} runs failed; their launch.log says why; rerun to retry just those")
+        raise UserError(f"{failures} of {len(points)} runs failed (see their launch.log); rerun to retry just those")
 
 
 if __name__ == "__main__":
