@@ -1,0 +1,111 @@
+"""The answers to `accelerate config` in docs/migration_guide.md write our YAMLs.
+
+The real questionnaire runs in a pseudo-terminal and gets the guide's answers, question by
+question; the file it writes is compared with ours in accelerate_configs/. A question the
+guide does not list (or one it lists that is not asked) fails the test with what was on
+the screen, so the table in the guide changes when accelerate's questionnaire does.
+"""
+
+import re
+import sys
+
+import pexpect
+import pytest
+import yaml
+from helpers import REPO
+
+GUIDE = (REPO / "docs" / "migration_guide.md").read_text()
+MENU_MARK = "➔ "  # in the guide: pick this option in a menu; otherwise type the answer
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+MENU_READS_KEYS = "\x1b[?25l"  # the menu hides the cursor, then reads keys
+MENU_DONE = "\x1b[?25h"  # ... and shows it again once an option is chosen
+
+# What ours say that the questionnaire does not ask about: on one machine, a free port each time.
+ONLY_OURS = {"main_process_port"}
+# Where ours deliberately differ (docs/migration_guide.md and the YAML's comment say why):
+# "multi-CPU" gives MULTI_CPU, one process unless mpirun is configured; ours use the torchrun launcher.
+DIFFERENT = {("cpu_2proc.yaml", "distributed_type"): ("MULTI_CPU", "MULTI_GPU")}
+
+
+def questionnaire_table() -> dict:
+    """{our yaml: [(question, answer), ...]} from the guide's table, in the order asked."""
+    section = GUIDE.split("## The accelerate config questionnaire", 1)[1]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in section.splitlines() if line.startswith("|")]
+    header, rows = rows[0], rows[2:]
+    configs = [re.search(r"`(\w+\.yaml)`", cell).group(1) for cell in header[1:]]
+    return {config: [(row[0], row[1 + i]) for row in rows if row[1 + i] != "—"] for i, config in enumerate(configs)}
+
+
+TABLE = questionnaire_table()
+
+
+def press(child, key: str, until: str):
+    """Send one key to a menu and wait for its effect. The menu switches the terminal to raw
+    mode for every key with TCSAFLUSH, which discards a key that arrived too early: wait for
+    raw mode (no echo), and send again if the key was lost."""
+    for _ in range(10):
+        child.waitnoecho(timeout=60)
+        child.send(key)
+        try:
+            child.expect_exact(until, timeout=5)
+            return
+        except pexpect.TIMEOUT:
+            continue
+    raise AssertionError(f"the menu did not take {key!r}: {ANSI.sub('', child.before)[-500:]}")
+
+
+def choose(child, option: str):
+    child.expect_exact(MENU_READS_KEYS)
+    lines = [ANSI.sub("", line).strip() for line in child.before.splitlines()]
+    options = [line for line in lines[next(i for i, l in enumerate(lines) if l.startswith("Please select")) + 1:] if line]
+    names = [o.removeprefix(MENU_MARK.strip()).strip() for o in options]
+    assert option in names, f"no option {option!r} in {names}"
+    index, current = names.index(option), next(i for i, o in enumerate(options) if o.startswith(MENU_MARK.strip()))
+    assert index < 10, "number keys reach the first 10 options"
+    if index != current:
+        press(child, str(index), f"\x1b[32m{option}")  # the menu redraws the chosen option in green
+    press(child, "\r", MENU_DONE)
+
+
+def answer_questionnaire(answers, config_file, hf_home):
+    child = pexpect.spawn(
+        sys.executable, ["-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(config_file)],
+        env={"HF_HOME": str(hf_home), "PATH": "/usr/bin:/bin", "TERM": "xterm", "HF_HUB_OFFLINE": "1"},
+        encoding="utf-8", timeout=60, dimensions=(50, 300),
+    )
+    asked = []
+    try:
+        for question, answer in answers:
+            child.expect_exact(question)
+            asked.append(question)
+            if answer.startswith(MENU_MARK):
+                choose(child, answer.removeprefix(MENU_MARK))
+            else:  # input(): a typed line, which the terminal keeps until it is read
+                child.sendline(answer)
+        child.expect(pexpect.EOF)
+    except (pexpect.TIMEOUT, pexpect.EOF):
+        screen = ANSI.sub("", child.before if isinstance(child.before, str) else "")[-1500:]
+        raise AssertionError(f"after {asked[-1:]} the questionnaire did not go on as the guide says; "
+                             f"it showed:\n{screen}") from None
+    child.close()
+    assert child.exitstatus == 0, ANSI.sub("", child.before or "")
+    return yaml.safe_load(config_file.read_text())
+
+
+def test_table_covers_the_main_topologies():
+    assert {"cpu.yaml", "cpu_2proc.yaml", "single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml"} <= set(TABLE)
+
+
+@pytest.mark.parametrize("config", sorted(TABLE))
+def test_questionnaire_answers_write_our_yaml(config, tmp_path):
+    written = answer_questionnaire(TABLE[config], tmp_path / "written.yaml", tmp_path / "hf_home")
+    ours = yaml.safe_load((REPO / "accelerate_configs" / config).read_text())
+    assert set(ours) - set(written) <= ONLY_OURS, f"{config}: the questionnaire never writes {set(ours) - set(written)}"
+    for key, value in ours.items():
+        if key in ONLY_OURS and key not in written:
+            continue
+        if (config, key) in DIFFERENT:
+            assert (written[key], value) == DIFFERENT[config, key], f"{config}: {key}"
+            continue
+        assert written[key] == value, f"{config}: {key} is {written[key]!r} from the questionnaire, {value!r} in ours"
