@@ -12,7 +12,7 @@ import sys
 import pexpect
 import pytest
 import yaml
-from helpers import REPO
+from helpers import REPO, launcher_args, run
 
 GUIDE = (REPO / "docs" / "migration_guide.md").read_text()
 MENU_MARK = "➔ "  # in the guide: pick this option in a menu; otherwise type the answer
@@ -109,3 +109,13 @@ def test_questionnaire_answers_write_our_yaml(config, tmp_path):
             assert (written[key], value) == DIFFERENT[config, key], f"{config}: {key}"
             continue
         assert written[key] == value, f"{config}: {key} is {written[key]!r} from the questionnaire, {value!r} in ours"
+
+
+def test_multi_cpu_answer_starts_one_process(tmp_path):
+    """Why cpu_2proc.yaml says MULTI_GPU: the questionnaire's multi-CPU file starts one process."""
+    written = tmp_path / "multi_cpu.yaml"
+    answer_questionnaire(TABLE["cpu_2proc.yaml"], written, tmp_path / "hf_home")
+    probe = tmp_path / "probe.py"
+    probe.write_text("from accelerate import Accelerator\nprint('processes:', Accelerator(cpu=True).num_processes)\n")
+    proc = run([*launcher_args(config_file=written), probe], cwd=tmp_path, timeout=240)
+    assert proc.stdout.count("processes: 1") == 1, proc.stdout

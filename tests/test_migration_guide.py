@@ -27,7 +27,7 @@ GUIDE_PATH = REPO / "docs" / "migration_guide.md"
 GUIDE = GUIDE_PATH.read_text()
 README = (REPO / "README.md").read_text()
 
-FENCE = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.S)
+FENCE = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.DOTALL)
 RUNNERS = {
     "runnable": lambda path: [sys.executable, path],
     "runnable: accelerate launch 2": lambda path: [*launcher_args(2), path],
@@ -41,7 +41,7 @@ def fenced_blocks(text: str = GUIDE) -> list:
     blocks = []
     for match in FENCE.finditer(text):
         line = text.count("\n", 0, match.start("code"))
-        section = ([""] + re.findall(r"^## (.*)$", text[: match.start()], flags=re.M))[-1]
+        section = ([""] + re.findall(r"^## (.*)$", text[: match.start()], flags=re.MULTILINE))[-1]
         name = f"{slug(section)[:40]}-L{line}"
         blocks.append((name, match["marker"], match["lang"], match["code"]))
     return blocks
@@ -63,7 +63,7 @@ def test_every_python_block_is_marked_and_runnable_ones_assert():
         assert marker in RUNNERS or (marker or "").startswith("compile-only: "), f"{name}: unknown marker {marker!r}"
     for name, marker, _, code in PYTHON:
         if marker in RUNNERS:
-            assert re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.M), f"{name} checks nothing"
+            assert re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.MULTILINE), f"{name} checks nothing"
     # before and after side by side: some of each kind, several distributed ones actually run
     assert len(RUNNABLE) >= 10 and len(COMPILE_ONLY) >= 6
     assert sum("torchrun" in p.values[0] for p in RUNNABLE) >= 3
@@ -84,6 +84,16 @@ def test_runnable_snippet(marker, code, tmp_path):
     proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240,
                env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
     assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+
+
+def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
+    """The guide says the two-head model fails without find_unused_parameters=True: it does."""
+    (marker, code), = [p.values for p in RUNNABLE if "find_unused_parameters=True" in p.values[1]]
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(code.replace("find_unused_parameters=True", "find_unused_parameters=False"))
+    proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240, check=False)
+    assert proc.returncode != 0
+    assert "Expected to have finished reduction in the prior iteration" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("code", COMPILE_ONLY)
@@ -196,7 +206,7 @@ def test_launch_json_runs_the_launcher_on_our_script(helps):
 
 
 def test_links_lead_somewhere():
-    anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", GUIDE, flags=re.M)}
+    anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", GUIDE, flags=re.MULTILINE)}
     for target in re.findall(r"\]\(#([^)]+)\)", GUIDE):
         assert target in anchors, f"no heading for #{target}"
     for path in set(re.findall(r"`((?:scripts|accelerate_configs|utils|tests|docs)/[\w./-]+)`", GUIDE)):
