@@ -3,6 +3,7 @@ import tempfile
 
 import pytest
 
+from doc_commands import help_cache
 from helpers import make_synthetic_mnist
 
 # No network, and no user caches or `accelerate config` defaults leak into the tests. Set at
@@ -19,3 +20,9 @@ os.environ.pop("ACCELERATE_CONFIG_FILE", None)
 def synthetic_mnist(tmp_path_factory):
     """640 train / 203 test generated digits as gzipped IDX files."""
     return make_synthetic_mnist(tmp_path_factory.mktemp("synthetic_mnist"))
+
+
+@pytest.fixture(scope="session")
+def helps():
+    """--help texts of the programs the documents' commands run, fetched once per program."""
+    return help_cache()

@@ -9,19 +9,15 @@ Marker convention, on the line before a ```python fence (every Python block need
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims.
 """
 
-import contextlib
-import importlib.util
-import io
 import json
 import re
 import shlex
 import socket
 import sys
-from pathlib import Path
 
 import pytest
 from helpers import REPO, launcher_args, run
-from test_readme import ACCELERATE, _help, bash_commands
+from doc_commands import bash_commands, check_command
 
 GUIDE_PATH = REPO / "docs" / "migration_guide.md"
 GUIDE = GUIDE_PATH.read_text()
@@ -102,90 +98,6 @@ def test_compile_only_snippet_compiles(code):
 
 
 # ---------------------------------------------------------------- commands, launch.json, links
-
-REPO_PATH = re.compile(r"^(scripts|accelerate_configs|utils|tests|docs)/")
-
-
-def script_help(path) -> str:
-    """A script's --help from its parse_args(argv), in this process: one torch import for all
-    scripts instead of one per script (5 s each on a busy 2-core machine)."""
-    spec = importlib.util.spec_from_file_location(f"guide_checked_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    output = io.StringIO()
-    with contextlib.redirect_stdout(output), pytest.raises(SystemExit):
-        module.parse_args(["--help"])
-    return output.getvalue()
-
-
-@pytest.fixture(scope="module")
-def helps():
-    """--help texts, fetched once per program."""
-    cache = {}
-
-    def get(*program):
-        if program not in cache:
-            script = Path(program[-1])
-            if program[0] == sys.executable and len(program) == 2 and script.suffix == ".py":
-                cache[program] = script_help(script)
-            else:
-                cache[program] = _help(list(program) + ["--help"])
-        return cache[program]
-    return get
-
-
-def assert_flags_exist(flags, help_text, context):
-    for flag in (w.split("=")[0] for w in flags if w.startswith("--")):
-        assert re.search(rf"{re.escape(flag)}\b", help_text), f"no {flag}: {context}"
-
-
-def assert_script_and_flags(words, help_of, command):
-    """words: SCRIPT FLAGS... of one of our scripts (a user's own train.py is not checked)."""
-    script, script_flags = words[0], words[1:]
-    if REPO_PATH.match(script):
-        assert_flags_exist(script_flags, help_of(sys.executable, str(REPO / script)), command)
-
-
-def check_command(command: str, help_of):
-    words = shlex.split(command)
-    while words and re.match(r"^[A-Z_]+=", words[0]):  # VAR=value prefixes
-        words.pop(0)
-    for word in words:
-        if REPO_PATH.match(word):
-            assert (REPO / word).exists(), f"{word} does not exist: {command}"
-    program = words[0]
-    if words[:2] == ["accelerate", "launch"]:
-        words = words[2:]
-        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-        assert_flags_exist(words[:at], help_of(*ACCELERATE, "launch"), command)
-        assert_script_and_flags(words[at:], help_of, command)
-    elif words[:2] == ["accelerate", "config"]:
-        assert_flags_exist(words[2:], help_of(*ACCELERATE, "config"), command)
-    elif program == "torchrun":
-        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-        assert_flags_exist(words[1:at], help_of(sys.executable, "-m", "torch.distributed.run"), command)
-        assert_script_and_flags(words[at:], help_of, command)
-    elif program == "sbatch":  # sbatch [its options] BATCH_SCRIPT [training script and flags]
-        at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
-        if len(words) > at + 1:
-            assert_script_and_flags(words[at + 1:], help_of, command)
-    elif program == "pip":
-        assert words[1:] == ["install", "-r", "requirements.txt"] and (REPO / "requirements.txt").is_file(), command
-    elif words[:3] == ["python", "-m", "pytest"]:
-        assert (REPO / words[-1]).is_dir(), command
-    elif program == "python":  # python SCRIPT FLAGS [-- SCRIPT FLAGS], e.g. a sweep that launches a script
-        before, _, after = " ".join(map(shlex.quote, words[1:])).partition(" -- ")
-        assert_script_and_flags(shlex.split(before), help_of, command)
-        if after:
-            assert_script_and_flags(shlex.split(after), help_of, command)
-    elif REPO_PATH.match(program) and program.endswith(".sh"):  # a wrapper: WRAPPER [ARGS] COMMAND...
-        at = next(i for i, w in enumerate(words) if w in ("accelerate", "torchrun", "python"))
-        check_command(shlex.join(words[at:]), help_of)
-    elif program in ("horovodrun", "ss"):
-        pass  # Horovod is not installed (the "before" side); ss is iproute2's
-    else:
-        raise AssertionError(f"no rule checks {program!r}; add one: {command}")
-
 
 @pytest.mark.parametrize("document", ["docs/migration_guide.md", "README.md"])
 def test_commands_name_existing_files_and_flags(document, helps):

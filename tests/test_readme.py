@@ -2,30 +2,17 @@
 
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
+from doc_commands import ACCELERATE, bash_commands, check_command
 from helpers import REPO, make_synthetic_mnist, results, run
 
 README = (REPO / "README.md").read_text()
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
-
-
-def bash_commands(text: str = README) -> list:
-    """Every command line in ```bash blocks (continuations joined, comments dropped)."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = re.sub(r"(^|\s)#.*$", "", line).strip()
-            if line:
-                commands.append(line)
-    return commands
 
 
 def launch_commands() -> list:
     """Commands that run `accelerate launch`, directly or through a wrapper script."""
-    return [c for c in bash_commands() if "accelerate launch " in c]
+    return [c for c in bash_commands(README) if "accelerate launch " in c]
 
 
 def runnable(command: str) -> list:
@@ -51,34 +38,11 @@ def test_ci_runs_the_readme_install_and_test_commands():
     assert ci.rstrip().splitlines()[-1] == TEST_COMMAND
 
 
-def _help(cmd) -> str:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO, check=True).stdout
-
-
-@pytest.fixture(scope="module")
-def launch_help():
-    return _help([*ACCELERATE, "launch", "--help"])
-
-
-def test_launch_commands_name_existing_files_and_flags(launch_help):
-    helps = {}
+def test_readme_commands_name_existing_files_and_flags(helps):
+    commands = bash_commands(README)
     assert launch_commands(), "the README shows how to launch"
-    for command in launch_commands():
-        wrapper = shlex.split(command)[0]
-        assert wrapper == "accelerate" or (REPO / wrapper).is_file(), command
-        words = shlex.split(command.split("accelerate launch ", 1)[1])
-        script_at = next(i for i, w in enumerate(words) if w.endswith(".py"))
-        launcher_words, script, script_words = words[:script_at], words[script_at], words[script_at + 1:]
-        assert (REPO / script).is_file(), command
-        for word in launcher_words + script_words:
-            if re.match(r"^(accelerate_configs|scripts|utils|tests)/", word):
-                assert (REPO / word).exists(), f"{word} in: {command}"
-        for flag in (w.split("=")[0] for w in launcher_words if w.startswith("--")):
-            assert re.search(rf"{re.escape(flag)}\b", launch_help), f"accelerate launch has no {flag}: {command}"
-        if script not in helps:
-            helps[script] = _help([sys.executable, REPO / script, "--help"])
-        for flag in (w.split("=")[0] for w in script_words if w.startswith("--")):
-            assert re.search(rf"{re.escape(flag)}\b", helps[script]), f"{script} has no {flag}: {command}"
+    for command in commands:
+        check_command(command, helps)
 
 
 def test_quickstart_command_as_written_offline_asks_for_data_dir(tmp_path):

@@ -45,15 +45,28 @@ def parse_args(argv=None):
     return args
 
 
-def evaluate(model, dataloader, device, amp_dtype):
+class AutocastInForward(nn.Module):
+    """autocast is thread-local, and DataParallel runs each replica in a thread of its own,
+    passing on only whether autocast is on, not its dtype (a bf16 run would compute in fp16).
+    PyTorch's AMP notes for DataParallel: enter autocast inside forward."""
+
+    def __init__(self, module: nn.Module, amp_dtype):
+        super().__init__()
+        self.module, self.amp_dtype = module, amp_dtype
+
+    def forward(self, x):
+        with torch.autocast("cuda", dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            return self.module(x)
+
+
+def evaluate(model, dataloader, device):
     """Accuracy and mean loss over the whole eval set (one process sees every sample)."""
     model.eval()
     correct, loss_sum, count = 0, 0.0, 0
     with torch.no_grad():
         for images, labels in dataloader:
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)
+            logits = model(images)
             losses = F.cross_entropy(logits.float(), labels, reduction="none")
             correct += (logits.argmax(dim=-1) == labels).sum().item()
             loss_sum += losses.double().sum().item()
@@ -83,9 +96,9 @@ def main(args):
     train_dataloader = DataLoader(train_dataset, batch_size=batch_size, shuffle=True, pin_memory=True)
     eval_dataloader = DataLoader(eval_dataset, batch_size=batch_size, pin_memory=True)
 
-    # Replicates the module onto every GPU at each forward and splits the batch between them;
-    # the autocast state set around the call reaches the replicas' threads.
-    model = nn.DataParallel(ConvNet().to(device))
+    # Replicates the module onto every GPU at each forward and splits the batch between them.
+    convnet = ConvNet().to(device)
+    model = nn.DataParallel(AutocastInForward(convnet, amp_dtype))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     max_steps = len(train_dataloader) * args.epochs
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -109,9 +122,8 @@ def main(args):
         meter.start()
         for images, labels in train_dataloader:
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            with torch.autocast("cuda", dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)  # scatter, replicate, parallel forward, gather onto GPU 0
-                loss = F.cross_entropy(logits, labels)
+            logits = model(images)  # scatter, replicate, parallel forward, gather onto GPU 0
+            loss = F.cross_entropy(logits.float(), labels)
             scaler.scale(loss).backward()
             scale_before = scaler.get_scale()
             scaler.step(optimizer)  # skipped when fp16 gradients overflowed
@@ -128,14 +140,14 @@ def main(args):
 
         samples_seen += sample_count
         results["train_loss"] = loss_sum.item() / sample_count
-        results.update(evaluate(model, eval_dataloader, device, amp_dtype))
+        results.update(evaluate(model, eval_dataloader, device))
         logger.info(
             f"epoch {epoch}: train_loss {results['train_loss']:.4f}, eval_loss {results['eval_loss']:.4f}, "
             f"eval_accuracy {results['eval_accuracy']:.4f} ({results['eval_samples']} samples)"
         )
     progress_bar.close()
 
-    save_file(model.module.state_dict(), output_dir / "model.safetensors")
+    save_file(convnet.state_dict(), output_dir / "model.safetensors")
     per_gpu_mb = [torch.cuda.max_memory_allocated(i) / 2**20 for i in range(num_gpus)]
     results.update({
         "method": "dataparallel",
@@ -152,8 +164,8 @@ def main(args):
         "batch_size_per_process": args.batch_size,  # per GPU; each step sees num_gpus x this
         "learning_rate": args.learning_rate,
         "seed": args.seed,
-        "parameter_fingerprints": [fingerprint(model.module.parameters())],
-        "buffer_fingerprints": [fingerprint(model.module.buffers())],
+        "parameter_fingerprints": [fingerprint(convnet.parameters())],
+        "buffer_fingerprints": [fingerprint(convnet.buffers())],
     })
     write_json_atomically(output_dir / "results.json", results)
     logger.info(f"Wrote {output_dir / 'results.json'}")
