@@ -24,7 +24,7 @@ def runnable(command: str) -> list:
 
 
 QUICKSTART_RUN = "accelerate launch scripts/train_mnist.py"
-TEST_COMMAND = "python -m pytest -q tests"
+TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile tests"
 
 
 def test_quickstart_has_the_install_run_and_test_commands():
@@ -66,7 +66,8 @@ def first_command_per_topology() -> list:
 def test_launch_commands_run_on_cpu(command, tmp_path):
     config = re.search(r"--config_file\s+(\S+)", command)
     if config and "cpu" not in config.group(1):
-        pytest.skip(f"{config.group(1)} needs GPUs; CI has none")
+        pytest.skip(f"{config.group(1)} needs GPUs or several machines (CI has neither); "
+                    "tests/test_configs.py and tests/test_topologies.py check it")
     out = tmp_path / "out"
     # The command as written, plus small generated data, on a machine where `accelerate config` never ran.
     if "train_image_classifier.py" in command:
