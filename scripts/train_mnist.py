@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from
 from utils.checkpoints import find_latest_checkpoint, read_training_state, resolve_checkpoint, save_checkpoint  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, check_enough_devices, check_accelerator, exit_with_error  # noqa: E402
-from utils.flags import build_parser, check_flag_combinations  # noqa: E402
+from utils.flags import build_mnist_parser, check_flag_combinations  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
 from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
@@ -34,11 +34,7 @@ logger = get_logger(__name__)  # [accelerate] logs on the main process only, unl
 
 
 def parse_args(argv=None):
-    parser = build_parser(__doc__.splitlines()[0], epochs=3, batch_size=64, learning_rate=3e-3)
-    parser.add_argument(
-        "--data_dir", default=None,
-        help="folder with the MNIST IDX files (raw or .gz, also DIR/MNIST/raw); default: ylecun/mnist from the Hub",
-    )
+    parser = build_mnist_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
     return args

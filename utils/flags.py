@@ -89,3 +89,14 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
         parser.error("--eval_only needs --resume_from_checkpoint {latest,PATH} to know what to evaluate")
 
 
+
+
+def build_mnist_parser(description: str) -> ArgumentParser:
+    """The MNIST scripts (train_mnist.py and the baselines): one set of defaults, so that the
+    comparisons between them compare the same training run."""
+    parser = build_parser(description, epochs=3, batch_size=64, learning_rate=3e-3)
+    parser.add_argument(
+        "--data_dir", default=None,
+        help="folder with the MNIST IDX files (raw or .gz, also DIR/MNIST/raw); default: ylecun/mnist from the Hub",
+    )
+    return parser

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from
 from utils.benchmarking import autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import build_parser  # noqa: E402
+from utils.flags import build_mnist_parser  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
 from utils.results import ThroughputMeter, fingerprint, write_json_atomically  # noqa: E402
 
@@ -35,11 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 def parse_args(argv=None):
-    parser = build_parser(__doc__.splitlines()[0], epochs=3, batch_size=64, learning_rate=3e-3)
-    parser.add_argument(
-        "--data_dir", default=None,
-        help="folder with the MNIST IDX files (raw or .gz, also DIR/MNIST/raw); default: ylecun/mnist from the Hub",
-    )
+    parser = build_mnist_parser(__doc__.splitlines()[0])
     args = parser.parse_args(argv)
     reject_flags_the_baselines_lack(parser, args)
     return args
