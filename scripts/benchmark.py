@@ -47,7 +47,7 @@ from utils.benchmarking import machine_facts, summarize  # noqa: E402
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, positive_int  # noqa: E402
-from utils.results import write_json_atomically  # noqa: E402
+from utils.results import create_output_dir, write_json_atomically  # noqa: E402
 
 METHODS = ("plain", "ddp", "dataparallel", "accelerate")
 PRECISIONS = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # our names -> --mixed_precision
@@ -417,10 +417,7 @@ def main(args):
     output_dir = Path(args.output_dir)
     if "mnist" in args.models:
         load_mnist(args.data_dir)  # fails here, once, with the fix, if the data is missing; warms the Hub cache
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+    create_output_dir(output_dir)
 
     combinations = [
         Combination(model, data_path, method, precision, n)

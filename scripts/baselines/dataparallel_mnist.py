@@ -29,7 +29,7 @@ from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.results import ThroughputMeter, fingerprint, write_json_atomically  # noqa: E402
+from utils.results import ThroughputMeter, create_output_dir, fingerprint, write_json_atomically  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -102,10 +102,7 @@ def main(args):
     )
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
 
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"cannot create --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+    create_output_dir(output_dir)
 
     results = {}
     meter = ThroughputMeter(device)
