@@ -35,7 +35,7 @@ def launcher_args(num_processes: int = 1, config_file=None) -> list:
 
 def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, cwd=cwd,
+        [str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd,
         env={**os.environ, **(env or {})},
     )
     if check and proc.returncode != 0:

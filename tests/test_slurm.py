@@ -63,7 +63,9 @@ def finish(cluster, sbatch: subprocess.Popen, log_dir, timeout=300):
         sbatch.kill()
         raise AssertionError(f"job did not finish in {timeout} s\n{cluster.log_tail()}") from None
     job_id = stdout.split()[0] if stdout.split() else "?"
-    logs = "\n".join(p.read_text() for p in log_dir.glob(f"*-{job_id}.out"))
+    # srun forwards each node's output in chunks, not lines: one node's bytes can split a
+    # multi-byte progress-bar character of the other's.
+    logs = "\n".join(p.read_text(errors="replace") for p in log_dir.glob(f"*-{job_id}.out"))
     assert sbatch.returncode == 0, f"sbatch exited {sbatch.returncode}: {stderr}\n{logs[-4000:]}"
     return job_id, logs
 
@@ -152,7 +154,7 @@ def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
         cwd=REPO, env={**cluster.env, "CPU": "1"}, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 1
-    (log,) = [p.read_text() for p in tmp_path.glob("*.out")]
+    (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
     assert log.strip() == (
         "error: the job has no GPUs; submit with --gpus-per-node=N, or set PROCESSES_PER_NODE (with CPU=1 for CPUs)"
     )

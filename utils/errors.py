@@ -1,5 +1,6 @@
 """User-caused errors: one clear line, a non-zero exit, no traceback."""
 
+import os
 import sys
 
 
@@ -15,14 +16,17 @@ def exit_with_error(error, status: int = 1) -> None:
     # rank 0 only would lose the message when another rank fails first and the launcher
     # stops rank 0 before it gets there.
     message = " ".join(str(error).split())
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    # Under a launcher, another rank's progress bar may have left a line unfinished on the
+    # shared stderr: start on a fresh one. One write() keeps the line whole even when stderr
+    # is unbuffered (PYTHONUNBUFFERED), where print() would write text and newline apart.
+    fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    sys.stderr.write(f"{fresh_line}error: {message}\n")
+    sys.stderr.flush()
     sys.exit(status)
 
 
 def check_accelerator(accelerator) -> None:
     """Catch launch setups that would run, but not as the user meant."""
-    import os
-
     # accelerate's multi-GPU launcher does not forward a YAML's `use_cpu: true`: on a
     # machine without GPUs, a script that does not pass cpu=True gets N lone processes.
     launched = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,8 +46,6 @@ def check_accelerator(accelerator) -> None:
 def check_enough_devices(cpu: bool) -> None:
     """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
     one process per GPU, so a machine cannot run more local processes than it has GPUs."""
-    import os
-
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
