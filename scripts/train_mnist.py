@@ -29,6 +29,7 @@ from utils.flags import build_mnist_parser, check_flag_combinations  # noqa: E40
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
 from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.signals import StopSignal  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -62,6 +63,8 @@ def evaluate(accelerator, model, dataloader, metric):
 
 
 def main(args):
+    # First, so that a preemption signal during start-up is remembered too.
+    stop_signal = StopSignal() if args.save_on_signal else None
     check_enough_devices(args.cpu)
     # Without a GPU, gloo on the CPU; the launch config (or the flag) picks the precision.
     accelerator = Accelerator(  # [accelerate]
@@ -151,6 +154,16 @@ def main(args):
         totals = accelerator.reduce(torch.stack([loss_sum, sample_count]), reduction="sum")
         return totals[0].item(), int(totals[1].item())
 
+    def save_step_checkpoint():
+        """Mid-epoch: where to continue, and the epoch's loss and sample sums so far."""
+        epoch_loss, epoch_samples = global_totals()
+        return save_checkpoint(accelerator, output_dir, f"step_{global_step}", {
+            "epoch": epoch, "global_step": global_step, "batches_in_epoch": batches_in_epoch,
+            "samples_seen": samples_seen + epoch_samples, "optimizer_steps_skipped": steps_skipped,
+            "epoch_loss_sum": epoch_loss, "epoch_samples": epoch_samples,
+        }, args.checkpoints_total_limit)
+
+    stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
     epochs_to_run = range(starting_epoch, args.epochs) if not args.eval_only else []
     for epoch in epochs_to_run:
         model.train()
@@ -194,16 +207,21 @@ def main(args):
                 # [accelerate] fp16: the GradScaler skips steps whose gradients overflowed
                 steps_skipped += accelerator.optimizer_step_was_skipped
                 progress_bar.update(1)
-                if isinstance(args.checkpointing_steps, int) and global_step % args.checkpointing_steps == 0:
+                if args.save_on_signal:
+                    if stop_signal.received:
+                        accelerator.set_trigger()  # [accelerate]
+                    # [accelerate] the signal reaches the processes at different moments; this
+                    # all-reduce makes all of them stop after the same step.
+                    stopping = accelerator.check_trigger()
+                if stopping or (isinstance(args.checkpointing_steps, int) and global_step % args.checkpointing_steps == 0):
                     meter.pause()
-                    epoch_loss, epoch_samples = global_totals()
-                    save_checkpoint(accelerator, output_dir, f"step_{global_step}", {
-                        "epoch": epoch, "global_step": global_step, "batches_in_epoch": batches_in_epoch,
-                        "samples_seen": samples_seen + epoch_samples, "optimizer_steps_skipped": steps_skipped,
-                        "epoch_loss_sum": epoch_loss, "epoch_samples": epoch_samples,
-                    }, args.checkpoints_total_limit)
+                    saved = save_step_checkpoint()
                     meter.start()
+                if stopping:
+                    break
         meter.pause()
+        if stopping:
+            break
 
         epoch_loss, epoch_samples = global_totals()
         samples_seen += epoch_samples
@@ -224,6 +242,11 @@ def main(args):
                 "samples_seen": samples_seen, "optimizer_steps_skipped": steps_skipped,
             }, args.checkpoints_total_limit)
     progress_bar.close()
+    if stopping:
+        logger.info(f"Stopped by a signal after step {global_step}: saved {saved}; "
+                    f"continue with --resume_from_checkpoint latest")
+        accelerator.end_training()  # [accelerate]
+        return stop_signal.exit_status
 
     if args.eval_only:
         results.update(evaluate(accelerator, model, eval_dataloader, metric))
@@ -269,10 +292,11 @@ def main(args):
         write_json_atomically(output_dir / "results.json", results)
         logger.info(f"Wrote {output_dir / 'results.json'}")
     accelerator.end_training()  # [accelerate] closes the trackers
+    return 0
 
 
 if __name__ == "__main__":
     try:
-        main(parse_args())
+        sys.exit(main(parse_args()))
     except UserError as err:
         exit_with_error(err)

@@ -3,9 +3,11 @@
 import gzip
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,26 @@ def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.Compl
 def launch(script_args, num_processes: int = 1, config_file=None, script=TRAIN_MNIST, **kwargs):
     """accelerate launch SCRIPT --cpu ARGS; returns the finished process."""
     return run([*launcher_args(num_processes, config_file), script, "--cpu", *script_args], **kwargs)
+
+
+def launch_in_background(script_args, num_processes: int = 1, script=TRAIN_MNIST) -> subprocess.Popen:
+    """Like launch(), but returns at once; stdout and stderr together in .communicate()[0]."""
+    cmd = [*launcher_args(num_processes), script, "--cpu", *script_args]
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, errors="replace")
+
+
+def wait_for_path(path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Until `path` exists (a checkpoint, say); fails if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not Path(path).exists():
+        assert proc.poll() is None, f"the job ended before {path} appeared"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.02)
+
+
+# What the training scripts log when --save_on_signal stopped them.
+STOPPED_BY_SIGNAL = re.compile(r"Stopped by a signal after step (\d+): saved (\S+); continue with --resume_from_checkpoint latest")
 
 
 def results(output_dir) -> dict:

@@ -4,11 +4,22 @@ on generated image folders (four classes of coloured shapes, 40x40 px; chance is
 import json
 import math
 import shutil
+import signal
 import urllib.error
 
 import pytest
 import torch
-from helpers import REPO, assert_clean_user_error, launch, launcher_args, results, run
+from helpers import (
+    REPO,
+    STOPPED_BY_SIGNAL,
+    assert_clean_user_error,
+    launch,
+    launch_in_background,
+    launcher_args,
+    results,
+    run,
+    wait_for_path,
+)
 from image_data import (
     CLASSES,
     ResNetWithUnusedHead,
@@ -246,6 +257,28 @@ def test_unused_parameter_without_the_flag_names_the_parameters(split_folder, tm
                   "--model", "tests.image_data:resnet_with_unused_head"], num_processes=2, check=False)
     assert_clean_user_error(proc, "unused_head.weight, unused_head.bias", "--find_unused_parameters")
     assert "backbone" not in [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0]
+
+
+def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the_counts(split_folder, tmp_path):
+    """torchrun signals each worker's whole process group: the DataLoader workers must not die of it."""
+    # 240 images, 2 processes x 16, drop_last: 7 steps per epoch, 14 in all
+    args = [*FAST, "--num_workers", "1", "--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "2",
+            "--checkpointing_steps", "2"]
+    job = launch_in_background([*args, "--save_on_signal"], num_processes=2, script=SCRIPT)
+    wait_for_path(tmp_path / "step_2", job)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    stopped = STOPPED_BY_SIGNAL.search(output)
+    assert job.returncode != 0 and stopped, output[-3000:]
+    assert "DataLoader worker" not in output, output[-3000:]
+    step = int(stopped[1])
+    assert 2 < step < 14 and (tmp_path / f"step_{step}" / "training_state.json").is_file()
+
+    launch([*args, "--resume_from_checkpoint", "latest"], num_processes=2, script=SCRIPT)
+    r = results(tmp_path)
+    assert r["resumed_from"] == str(tmp_path / f"step_{step}")
+    assert r["global_step"] == 14 and r["samples_seen"] == 2 * 7 * 2 * 16
+    assert len(set(r["parameter_fingerprints"])) == 1
 
 
 def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_path):

@@ -1,14 +1,26 @@
 """Jobs die: a killed rank, an interrupted save, a diverging loss. What survives, and how."""
 
+import json
 import shutil
+import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, launch, launcher_args, make_synthetic_mnist, results, run
+from helpers import (
+    REPO,
+    STOPPED_BY_SIGNAL,
+    TRAIN_MNIST,
+    launch,
+    launch_in_background,
+    launcher_args,
+    make_synthetic_mnist,
+    results,
+    run,
+    wait_for_path,
+)
 
 from utils.errors import UserError, check_enough_devices
 
@@ -45,11 +57,7 @@ def test_one_process_mid_epoch_resume_is_bit_exact(data, tmp_path):
 
 def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, rank: int = 1) -> int:
     """SIGKILL the worker with LOCAL_RANK=rank as soon as step_10 exists (mid-epoch 0)."""
-    deadline = time.time() + 120
-    while not (output_dir / "step_10").is_dir():
-        assert launcher.poll() is None, "the job ended before its first checkpoint"
-        assert time.time() < deadline
-        time.sleep(0.02)
+    wait_for_path(output_dir / "step_10", launcher)
     for child in psutil.Process(launcher.pid).children(recursive=True):
         try:
             if child.environ().get("LOCAL_RANK") == str(rank) and "train_mnist.py" in " ".join(child.cmdline()):
@@ -77,6 +85,31 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
     for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
         assert resumed[key] == reference[key], key
     assert resumed["global_step"] == 3 * 32 and resumed["samples_seen"] == 3 * 1024
+
+
+def test_sigterm_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(data, uninterrupted, tmp_path):
+    """What Slurm's preemption does through the batch scripts: SIGTERM to `accelerate launch`,
+    whose torchrun agent passes it on to every worker."""
+    out = tmp_path / "out"
+    job = launch_in_background(["--data_dir", data, "--output_dir", out, *COMMON, "--save_on_signal"], num_processes=2)
+    wait_for_path(out / "step_10", job)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode != 0, "a run stopped early must not look finished"
+    stopped = STOPPED_BY_SIGNAL.search(output)
+    assert stopped, output[-3000:]
+    step, saved = int(stopped[1]), stopped[2]
+    assert 10 < step < 3 * 32 and saved == str(out / f"step_{step}")  # the step at the signal, not step_10
+    assert json.loads((out / f"step_{step}" / "training_state.json").read_text())["global_step"] == step
+    assert not (out / "results.json").exists() and not list(out.glob(".tmp-*"))
+
+    proc = launch(["--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"],
+                  num_processes=2)
+    assert f"Resumed from {saved}" in proc.stdout + proc.stderr
+    resumed, reference = results(out), results(uninterrupted)
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
+    for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
+        assert resumed[key] == reference[key], key
 
 
 def test_interrupted_save_is_ignored_and_cleaned_up(data, uninterrupted, tmp_path):

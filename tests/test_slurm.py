@@ -3,11 +3,14 @@ this machine (tests/slurm_cluster.py), in CPU mode, and checked by their results
 
 import math
 import shutil
+import signal
 import subprocess
 import time
+from pathlib import Path
 
+import psutil
 import pytest
-from helpers import REPO, make_synthetic_mnist, results
+from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results
 from slurm_cluster import start_cluster
 
 from utils.checkpoints import find_latest_checkpoint
@@ -15,8 +18,7 @@ from utils.checkpoints import find_latest_checkpoint
 SLURM_DIR = REPO / "scripts" / "slurm"
 SHELL_SCRIPTS = sorted(p.relative_to(REPO) for p in [*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
 NUM_TRAIN, NUM_TEST, BATCH_SIZE, EPOCHS = 1920, 101, 16, 2
-# 1,920 samples over 2 processes in batches of 16: 60 optimizer steps per epoch, enough for
-# the preemption signal to land while the job trains.
+# 1,920 samples over 2 processes in batches of 16: 60 optimizer steps per epoch.
 STEPS_PER_EPOCH = math.ceil(NUM_TRAIN / (2 * BATCH_SIZE))
 
 
@@ -55,14 +57,13 @@ def submit(cluster, log_dir, gpus_per_node, batch_script, args) -> subprocess.Po
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finish(cluster, sbatch: subprocess.Popen, log_dir, timeout=300):
+def finish(cluster, sbatch: subprocess.Popen, job_id: str, log_dir, timeout=300):
     """Wait for `sbatch --wait`; returns (job id, the job's log)."""
     try:
-        stdout, stderr = sbatch.communicate(timeout=timeout)
+        _, stderr = sbatch.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         sbatch.kill()
-        raise AssertionError(f"job did not finish in {timeout} s\n{cluster.log_tail()}") from None
-    job_id = stdout.split()[0] if stdout.split() else "?"
+        raise AssertionError(f"job {job_id} did not finish in {timeout} s\n{cluster.log_tail()}") from None
     # srun forwards each node's output in chunks, not lines: one node's bytes can split a
     # multi-byte progress-bar character of the other's.
     logs = "\n".join(p.read_text(errors="replace") for p in log_dir.glob(f"*-{job_id}.out"))
@@ -70,18 +71,68 @@ def finish(cluster, sbatch: subprocess.Popen, log_dir, timeout=300):
     return job_id, logs
 
 
-def preempt_once_training_is_under_way(cluster, sbatch: subprocess.Popen, output_dir, timeout=180):
-    """USR1 to the batch shell once the first checkpoint exists, as `--signal=B:USR1@120` sends
-    it before the time limit; then lift the 2 minutes Slurm holds a requeued job."""
-    job_id = sbatch.stdout.readline().split(";")[0].strip()  # --parsable prints the id when submitted
+def training_processes(output_dir) -> list:
+    """The job's training processes, not their launchers: torchrun gives them a LOCAL_RANK."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if str(output_dir) in " ".join(proc.info["cmdline"] or []) and "LOCAL_RANK" in proc.environ():
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def sigterm_is_pending(proc) -> bool:
+    """Sent to the process but not yet handled (it is stopped): /proc's pending-signal masks."""
+    masks = [int(line.split()[1], 16) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+             if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+
+
+def preempt_mid_epoch(cluster, jobs: dict, num_processes=2, timeout=180) -> dict:
+    """USR1 to each job's batch shell once its epoch_0 is saved, as `--signal=B:USR1@120`
+    sends it before the time limit. `jobs`: name -> (sbatch, output_dir); returns the job ids.
+
+    The tiny model trains an epoch in about a second, so that the signal surely lands
+    mid-epoch each job's training processes are frozen (SIGSTOP) from just before the USR1
+    until the SIGTERM that its batch script makes of it has reached each of them; then
+    they go on. Every step of the signal's way (Slurm, batch script, launcher, training
+    processes) is the real one.
+    """
+    # --parsable prints the id when the job is submitted
+    job_ids = {name: sbatch.stdout.readline().split(";")[0].strip() for name, (sbatch, _) in jobs.items()}
     deadline = time.monotonic() + timeout
-    while find_latest_checkpoint(output_dir) is None:
-        assert sbatch.poll() is None, f"job {job_id} ended before its first checkpoint\n{cluster.log_tail()}"
-        assert time.monotonic() < deadline, f"job {job_id}: no checkpoint after {timeout} s\n{cluster.log_tail()}"
-        time.sleep(0.05)
-    cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+    frozen = {}
+    try:
+        while len(frozen) < len(jobs):
+            for name, (sbatch, output_dir) in jobs.items():
+                if name in frozen:
+                    continue
+                assert sbatch.poll() is None, f"{name} ended before its first checkpoint\n{cluster.log_tail()}"
+                if find_latest_checkpoint(output_dir) is not None:
+                    frozen[name] = training_processes(output_dir)
+                    assert len(frozen[name]) == num_processes, frozen[name]
+                    for worker in frozen[name]:
+                        worker.suspend()
+                    cluster.run("scancel", "--batch", "--signal=USR1", job_ids[name])
+            assert time.monotonic() < deadline, f"no checkpoint after {timeout} s\n{cluster.log_tail()}"
+            time.sleep(0.02)
+        workers = [worker for group in frozen.values() for worker in group]
+        while not all(sigterm_is_pending(worker) for worker in workers):
+            assert time.monotonic() < deadline, f"no SIGTERM reached the training\n{cluster.log_tail()}"
+            time.sleep(0.05)
+    finally:
+        for worker in (worker for group in frozen.values() for worker in group):
+            worker.resume()
+    return job_ids
+
+
+def start_when_requeued(cluster, sbatch: subprocess.Popen, job_id, timeout=180) -> None:
+    """Lift the 2 minutes Slurm holds a requeued job."""
+    deadline = time.monotonic() + timeout
     while cluster.job_field(job_id, "Restarts") == "0" or cluster.job_state(job_id) != "PENDING":
-        if sbatch.poll() is not None:  # finished without a requeue: the test below says so
+        if sbatch.poll() is not None:  # finished without a requeue: the tests below say so
             return
         assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
         time.sleep(0.1)
@@ -90,15 +141,17 @@ def preempt_once_training_is_under_way(cluster, sbatch: subprocess.Popen, output
 
 @pytest.fixture(scope="module")
 def jobs(cluster, data, tmp_path_factory):
-    """Both batch scripts at once, on the same data: one node with 2 GPUs, preempted while
-    it trains, and two nodes with 1 GPU each, left alone."""
+    """Both batch scripts at once, on the same data, with their default flags: one node
+    with 2 GPUs, two nodes with 1 GPU each; both preempted in their second epoch."""
     root = tmp_path_factory.mktemp("slurm_jobs")
-    one_node = submit(cluster, root, 2, "submit_multigpu.sbatch",
-                      script_args(data, root / "one_node", "--checkpointing_steps", "3"))
-    two_nodes = submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"))
-    preempt_once_training_is_under_way(cluster, one_node, root / "one_node")
-    return {"one_node": (root / "one_node", *finish(cluster, one_node, root)),
-            "two_nodes": (root / "two_nodes", *finish(cluster, two_nodes, root))}
+    submitted = {
+        "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
+        "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes")),
+    }
+    job_ids = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()})
+    for name, sbatch in submitted.items():
+        start_when_requeued(cluster, sbatch, job_ids[name])
+    return {name: (root / name, *finish(cluster, sbatch, job_ids[name], root)) for name, sbatch in submitted.items()}
 
 
 def assert_complete_run(r, num_processes):
@@ -125,22 +178,25 @@ def test_multinode_job_runs_one_machine_rank_per_node(jobs):
     assert "node1: machine_rank 0" in log and "node2: machine_rank 1" in log
     port = 20000 + int(job_id) % 20000
     assert f"machine 0 at 127.0.0.1:{port}" in log
-    # the batch script's defaults: a checkpoint every epoch, so a requeued job can resume
+
+
+@pytest.mark.parametrize("name", ["one_node", "two_nodes"])
+def test_preempted_job_saved_at_the_signal_requeued_and_resumed_from_there(jobs, name):
+    output_dir, _, log = jobs[name]
+    assert "USR1" in log and ", run 2" in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
+    stopped = STOPPED_BY_SIGNAL.search(log)
+    assert stopped, f"no checkpoint at the signal:\n{log[-3000:]}"
+    step = int(stopped[1])
+    assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH  # in the second epoch, where it was signalled
+    r = results(output_dir)
+    assert r["resumed_from"] == stopped[2] == str(output_dir / f"step_{step}")
+    assert_complete_run(r, num_processes=2)  # step and sample counts continue across the requeue
+    # the batch script's defaults: a checkpoint every epoch besides the one at the signal
     assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
-def test_preempted_job_requeued_itself_and_resumed_from_its_newest_checkpoint(jobs):
-    output_dir, _, log = jobs["one_node"]
-    assert "USR1" in log and "run 2," in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
-    r = results(output_dir)
-    assert r["resumed_from"] is not None and "step_" in r["resumed_from"], r["resumed_from"]
-    resumed_at = int(r["resumed_from"].rsplit("step_", 1)[1])
-    assert 3 <= resumed_at < EPOCHS * STEPS_PER_EPOCH and resumed_at % 3 == 0
-    assert_complete_run(r, num_processes=2)  # step and sample counts continue across the requeue
-
-
-def test_preempted_one_node_job_ends_exactly_like_the_uninterrupted_two_node_job(jobs):
-    """Same world size, same data: neither the topology nor the requeue changes a bit."""
+def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs):
+    """Same world size, same data: neither the topology nor where the requeue fell changes a bit."""
     one, two = results(jobs["one_node"][0]), results(jobs["two_nodes"][0])
     for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
                 "global_step", "samples_seen"):

@@ -2,7 +2,10 @@
 
 import gzip
 import json
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from utils.errors import UserError
 from utils.metrics import load_metric
 from utils.models import ConvNet
 from utils.results import fingerprint
+from utils.signals import ignore_stop_signals
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +126,33 @@ def test_convnet_shapes():
     model = ConvNet()
     assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
     assert sum(p.numel() for p in model.parameters()) == 16 * 25 + 16 + 32 * 16 * 25 + 32 + 2 * (16 + 32) + 7 * 7 * 32 * 10 + 10
+
+
+class WorkerPids(torch.utils.data.Dataset):
+    """Each item is the pid of the DataLoader worker that produced it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        import os
+
+        return os.getpid()
+
+
+@pytest.mark.parametrize("worker_init_fn", [None, ignore_stop_signals], ids=["default", "ignore_stop_signals"])
+def test_dataloader_workers_survive_sigterm_only_with_ignore_stop_signals(worker_init_fn):
+    """torchrun sends SIGTERM to a worker's whole process group. Started with `spawn` (or
+    `forkserver`, Python 3.14's default) a DataLoader worker does not inherit the training
+    process's handler, and dies of it unless its worker_init_fn ignores the signal."""
+    loader = torch.utils.data.DataLoader(WorkerPids(), num_workers=1, multiprocessing_context="spawn",
+                                         worker_init_fn=worker_init_fn)
+    batches = iter(loader)
+    worker_pid = int(next(batches))
+    os.kill(worker_pid, signal.SIGTERM)
+    time.sleep(0.5)
+    if worker_init_fn is None:
+        with pytest.raises(RuntimeError, match=f"DataLoader worker \\(pid\\(s\\) {worker_pid}\\) exited unexpectedly"):
+            list(batches)
+    else:
+        assert [int(pid) for pid in batches] == [worker_pid] * 3

@@ -18,6 +18,7 @@ FLAGS_THE_BASELINES_LACK = {
     "checkpointing_steps": None,
     "checkpoints_total_limit": None,
     "resume_from_checkpoint": None,
+    "save_on_signal": False,
     "eval_only": False,
     "with_tracking": False,
 }

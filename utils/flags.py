@@ -79,6 +79,10 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
         "--resume_from_checkpoint", default=None, metavar="{latest,PATH}",
         help="'latest' (newest complete checkpoint in --output_dir; starts fresh if none) or a checkpoint folder",
     )
+    out.add_argument(
+        "--save_on_signal", action="store_true",
+        help="on SIGTERM/SIGUSR1 (Slurm preemption), finish the step, save step_N and exit with 128+signal",
+    )
     out.add_argument("--eval_only", action="store_true", help="evaluate --resume_from_checkpoint and write results")
     out.add_argument("--with_tracking", action="store_true", help="log metrics to TensorBoard in --output_dir")
     return parser
