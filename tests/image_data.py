@@ -167,7 +167,11 @@ def run_with_ddp_probe(argv) -> None:
 
     script, *script_args = argv
     sys.argv = [script, *script_args]
-    runpy.run_path(script, run_name="__main__")  # a script that fails exits here, with no report
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:  # the scripts end with sys.exit(status)
+        if exit_.code not in (0, None):
+            raise  # a script that fails exits here, with no report
     write_report()
 
 
