@@ -72,13 +72,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# torch 2.15's gloo sometimes aborts a process after the interpreter has finished, at C++
+# exit (about 1 run in 100 of the DDP fp16-hook snippet here; faulthandler shows no Python
+# frame left). The snippet's work and checks were complete by then.
+EXIT_TIME_ABORT = "terminate called without an active exception"
+
+
 @pytest.mark.parametrize("marker, code", RUNNABLE)
 def test_runnable_snippet(marker, code, tmp_path):
     snippet = tmp_path / "snippet.py"
     snippet.write_text(code)
-    # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
-    proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240,
-               env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
+
+    def run_snippet():
+        # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
+        return run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240,
+                   env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
+
+    proc = run_snippet()
+    if proc.returncode != 0 and EXIT_TIME_ABORT in proc.stdout + proc.stderr:
+        proc = run_snippet()  # once more; a second abort, or any other failure, fails the test
     assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
 
 
