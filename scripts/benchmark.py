@@ -400,7 +400,7 @@ def rewrite(args):
         raise UserError(f"--rewrite_from {args.rewrite_from}: not a benchmark.json written by this script ({type(err).__name__})") from None
     rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
     output_dir = Path(args.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    create_output_dir(output_dir)
     write_csv(output_dir / "benchmark.csv", rows)
     write_markdown(output_dir / "benchmark.md", rows)
     write_json_atomically(output_dir / "benchmark.json", {**report, "rows": rows})

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,6 +65,19 @@ def wait_for_path(path, proc: subprocess.Popen, timeout: float = 120) -> None:
         assert proc.poll() is None, f"the job ended before {path} appeared"
         assert time.monotonic() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.02)
+
+
+def training_processes(output_dir) -> list:
+    """The training processes writing into `output_dir`, not their launchers: torchrun gives
+    them a LOCAL_RANK."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if str(output_dir) in " ".join(proc.info["cmdline"] or []) and "LOCAL_RANK" in proc.environ():
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
 
 
 # What the training scripts log when --save_on_signal stopped them.

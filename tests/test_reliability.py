@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 
-import psutil
 import pytest
 import torch
 from helpers import (
@@ -19,6 +18,7 @@ from helpers import (
     make_synthetic_mnist,
     results,
     run,
+    training_processes,
     wait_for_path,
 )
 
@@ -58,14 +58,9 @@ def test_one_process_mid_epoch_resume_is_bit_exact(data, tmp_path):
 def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, rank: int = 1) -> int:
     """SIGKILL the worker with LOCAL_RANK=rank as soon as step_10 exists (mid-epoch 0)."""
     wait_for_path(output_dir / "step_10", launcher)
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if child.environ().get("LOCAL_RANK") == str(rank) and "train_mnist.py" in " ".join(child.cmdline()):
-                child.kill()
-                return child.pid
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError("no worker with LOCAL_RANK=1 found")
+    (worker,) = [p for p in training_processes(output_dir) if p.environ().get("LOCAL_RANK") == str(rank)]
+    worker.kill()
+    return worker.pid
 
 
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, uninterrupted, tmp_path):

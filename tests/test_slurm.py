@@ -8,9 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results
+from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results, training_processes
 from slurm_cluster import start_cluster
 
 from utils.checkpoints import find_latest_checkpoint
@@ -58,7 +57,7 @@ def submit(cluster, log_dir, gpus_per_node, batch_script, args) -> subprocess.Po
 
 
 def finish(cluster, sbatch: subprocess.Popen, job_id: str, log_dir, timeout=300):
-    """Wait for `sbatch --wait`; returns (job id, the job's log)."""
+    """Wait for `sbatch --wait`; returns the job's log."""
     try:
         _, stderr = sbatch.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -68,19 +67,7 @@ def finish(cluster, sbatch: subprocess.Popen, job_id: str, log_dir, timeout=300)
     # multi-byte progress-bar character of the other's.
     logs = "\n".join(p.read_text(errors="replace") for p in log_dir.glob(f"*-{job_id}.out"))
     assert sbatch.returncode == 0, f"sbatch exited {sbatch.returncode}: {stderr}\n{logs[-4000:]}"
-    return job_id, logs
-
-
-def training_processes(output_dir) -> list:
-    """The job's training processes, not their launchers: torchrun gives them a LOCAL_RANK."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if str(output_dir) in " ".join(proc.info["cmdline"] or []) and "LOCAL_RANK" in proc.environ():
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
+    return logs
 
 
 def sigterm_is_pending(proc) -> bool:
@@ -151,7 +138,8 @@ def jobs(cluster, data, tmp_path_factory):
     job_ids = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()})
     for name, sbatch in submitted.items():
         start_when_requeued(cluster, sbatch, job_ids[name])
-    return {name: (root / name, *finish(cluster, sbatch, job_ids[name], root)) for name, sbatch in submitted.items()}
+    return {name: (root / name, job_ids[name], finish(cluster, sbatch, job_ids[name], root))
+            for name, sbatch in submitted.items()}
 
 
 def assert_complete_run(r, num_processes):

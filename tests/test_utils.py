@@ -135,8 +135,6 @@ class WorkerPids(torch.utils.data.Dataset):
         return 4
 
     def __getitem__(self, index):
-        import os
-
         return os.getpid()
 
 

@@ -93,8 +93,6 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
         parser.error("--eval_only needs --resume_from_checkpoint {latest,PATH} to know what to evaluate")
 
 
-
-
 def build_mnist_parser(description: str) -> ArgumentParser:
     """The MNIST scripts (train_mnist.py and the baselines): one set of defaults, so that the
     comparisons between them compare the same training run."""
