@@ -102,7 +102,7 @@ def main(args):
         eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
         model, num_classes = ConvNet(), 10
     else:
-        from utils.vision import build_model
+        from utils.models import build_model
 
         train_dataset = synthetic_images(args.synthetic_samples, args.image_size, seed=args.seed)
         eval_dataset = None  # accuracy on random labels means nothing

@@ -29,20 +29,15 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.checkpoints import find_latest_checkpoint, read_training_state, resolve_checkpoint, save_checkpoint  # noqa: E402
-from utils.errors import UserError, check_accelerator, check_enough_devices, exit_with_error  # noqa: E402
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, positive_int  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
 from utils.signals import StopSignal, ignore_stop_signals  # noqa: E402
-from utils.vision import (  # noqa: E402
-    TransformedImages,
-    build_model,
-    eval_transform,
-    is_unused_parameter_error,
-    load_image_datasets,
-    parameters_without_gradient,
-    train_transform,
-)
+from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
+from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform  # noqa: E402
+from utils.models import build_model  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.checkpoints import find_latest_checkpoint, read_training_state, resolve_checkpoint, save_checkpoint  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, check_accelerator, check_enough_devices, exit_with_error  # noqa: E402
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.flags import build_mnist_parser, check_flag_combinations  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402

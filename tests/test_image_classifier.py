@@ -32,15 +32,9 @@ from safetensors.torch import load_file
 
 from utils.errors import UserError
 from utils.metrics import load_metric
-from utils.vision import (
-    TransformedImages,
-    build_model,
-    eval_transform,
-    is_unused_parameter_error,
-    load_image_datasets,
-    parameters_without_gradient,
-    train_transform,
-)
+from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient
+from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform
+from utils.models import build_model
 
 SCRIPT = REPO / "scripts" / "train_image_classifier.py"
 PROBE = REPO / "tests" / "image_data.py"

@@ -22,7 +22,8 @@ from helpers import (
     wait_for_path,
 )
 
-from utils.errors import UserError, check_enough_devices
+from utils.errors import UserError
+from utils.launch_checks import check_enough_devices
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
 

@@ -1,6 +1,10 @@
-"""Models used by the scripts."""
+"""Models: the MNIST ConvNet, and torchvision classification models by name."""
+
+import importlib
 
 from torch import nn
+
+from utils.errors import UserError
 
 
 class ConvNet(nn.Module):
@@ -28,3 +32,57 @@ class ConvNet(nn.Module):
     def forward(self, x):
         x = self.layer2(self.layer1(x))
         return self.fc(x.flatten(1))
+
+
+def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+    """A torchvision classification model by name ("resnet18", "resnet50", ...) with
+    `num_classes` outputs, or `package.module:function` called as function(num_classes=N)."""
+    if ":" in name:
+        module_name, _, function_name = name.partition(":")
+        try:
+            builder = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError) as err:
+            raise UserError(f"--model {name}: cannot import it ({err}); give a module:function importable "
+                            f"from the repository root") from None
+        if pretrained:
+            raise UserError(f"--pretrained loads torchvision weights; --model {name} is your own builder, "
+                            f"so drop --pretrained")
+        return builder(num_classes=num_classes)
+
+    import torchvision
+
+    available = torchvision.models.list_models(module=torchvision.models)  # classification models only
+    if name not in available:
+        raise UserError(f"--model {name}: not a torchvision classification model; choose one of e.g. "
+                        f"resnet18, resnet50, efficientnet_b0, convnext_tiny (all: torchvision.models.list_models())")
+    if not pretrained:
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    else:
+        try:
+            model = torchvision.models.get_model(name, weights="DEFAULT")  # downloaded once to ~/.cache/torch
+        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
+            raise UserError(f"--pretrained: could not fetch the torchvision weights of {name} ({type(err).__name__}); "
+                            f"run once with internet access (they are cached under $TORCH_HOME) or train from "
+                            f"scratch without --pretrained") from None
+        model = replace_classifier(model, num_classes)
+    return drop_auxiliary_heads(model)
+
+
+def drop_auxiliary_heads(model: nn.Module) -> nn.Module:
+    """GoogLeNet and Inception v3 return extra auxiliary logits in training mode; keep the main output only
+    (unused auxiliary heads would also trip DDP's unused-parameter check)."""
+    if getattr(model, "aux_logits", False):
+        model.aux_logits = False
+        for head in ("aux1", "aux2", "AuxLogits"):
+            if hasattr(model, head):
+                setattr(model, head, None)
+    return model
+
+
+def replace_classifier(model: nn.Module, num_classes: int) -> nn.Module:
+    """Swap the last Linear layer (the 1000-class ImageNet head) for a fresh one with `num_classes`."""
+    name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
+    if head.out_features != num_classes:
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], nn.Linear(head.in_features, num_classes))
+    return model

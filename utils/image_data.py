@@ -1,14 +1,10 @@
-"""Image classification plumbing: image folders and Hub datasets through `datasets`,
-torchvision transforms and models by name, and the diagnosis of DDP's unused-parameter error.
-"""
+"""Image classification data: image folders and Hub datasets through `datasets`, torchvision
+transforms, and a Dataset that decodes and augments inside the DataLoader workers."""
 
-import copy
-import importlib
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 from torchvision.transforms import v2
 
 from utils.errors import UserError
@@ -19,9 +15,6 @@ EVAL_SPLITS = ("validation", "test")  # `imagefolder` names a val/ folder "valid
 # The train/val split of a single class-folder root must not move when --seed changes,
 # or runs with different seeds would be evaluated on different images.
 VAL_SPLIT_SEED = 0
-
-
-# ---------------------------------------------------------------- data
 
 
 def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_column=None,
@@ -147,84 +140,3 @@ class TransformedImages(torch.utils.data.Dataset):
             torch.manual_seed(int(sample_seed))
             pixels = self.transform(image)
         return pixels, example[self.label_column]
-
-
-# ---------------------------------------------------------------- models
-
-
-def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
-    """A torchvision classification model by name ("resnet18", "resnet50", ...) with
-    `num_classes` outputs, or `package.module:function` called as function(num_classes=N)."""
-    if ":" in name:
-        module_name, _, function_name = name.partition(":")
-        try:
-            builder = getattr(importlib.import_module(module_name), function_name)
-        except (ImportError, AttributeError) as err:
-            raise UserError(f"--model {name}: cannot import it ({err}); give a module:function importable "
-                            f"from the repository root") from None
-        if pretrained:
-            raise UserError(f"--pretrained loads torchvision weights; --model {name} is your own builder, "
-                            f"so drop --pretrained")
-        return builder(num_classes=num_classes)
-
-    import torchvision
-
-    available = torchvision.models.list_models(module=torchvision.models)  # classification models only
-    if name not in available:
-        raise UserError(f"--model {name}: not a torchvision classification model; choose one of e.g. "
-                        f"resnet18, resnet50, efficientnet_b0, convnext_tiny (all: torchvision.models.list_models())")
-    if not pretrained:
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    else:
-        try:
-            model = torchvision.models.get_model(name, weights="DEFAULT")  # downloaded once to ~/.cache/torch
-        except Exception as err:  # offline, proxy, disk full: all end the same way for the user
-            raise UserError(f"--pretrained: could not fetch the torchvision weights of {name} ({type(err).__name__}); "
-                            f"run once with internet access (they are cached under $TORCH_HOME) or train from "
-                            f"scratch without --pretrained") from None
-        model = replace_classifier(model, num_classes)
-    return drop_auxiliary_heads(model)
-
-
-def drop_auxiliary_heads(model: nn.Module) -> nn.Module:
-    """GoogLeNet and Inception v3 return extra auxiliary logits in training mode; keep the main output only
-    (unused auxiliary heads would also trip DDP's unused-parameter check)."""
-    if getattr(model, "aux_logits", False):
-        model.aux_logits = False
-        for head in ("aux1", "aux2", "AuxLogits"):
-            if hasattr(model, head):
-                setattr(model, head, None)
-    return model
-
-
-def replace_classifier(model: nn.Module, num_classes: int) -> nn.Module:
-    """Swap the last Linear layer (the 1000-class ImageNet head) for a fresh one with `num_classes`."""
-    name, head = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1]
-    if head.out_features != num_classes:
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        setattr(parent, name.rpartition(".")[2], nn.Linear(head.in_features, num_classes))
-    return model
-
-
-# ---------------------------------------------------------------- DDP's unused-parameter error
-
-
-def is_unused_parameter_error(err: BaseException) -> bool:
-    """DDP's "Expected to have finished reduction in the prior iteration ..." RuntimeError."""
-    return isinstance(err, RuntimeError) and "not used in producing loss" in str(err)
-
-
-def parameters_without_gradient(model: nn.Module, inputs: torch.Tensor) -> list:
-    """Names of the trainable parameters that get no gradient from one forward/backward.
-
-    The single-process debugging recipe, on a copy: the model inside DDP keeps its hooks
-    and its state untouched.
-    """
-    probe = copy.deepcopy(model).train()
-    for parameter in probe.parameters():
-        parameter.grad = None
-    with torch.enable_grad():
-        outputs = probe(inputs)
-        outputs = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
-        outputs.float().sum().backward()
-    return [name for name, p in probe.named_parameters() if p.requires_grad and p.grad is None]

@@ -1,0 +1,39 @@
+"""Launch setups that would run, but not as the user meant: caught before or just after the
+Accelerator is built, each ending with one `error:` line."""
+
+import os
+
+from utils.errors import UserError
+
+
+def check_accelerator(accelerator) -> None:
+    """Catch launch setups that would run, but not as the user meant."""
+    # accelerate's multi-GPU launcher does not forward a YAML's `use_cpu: true`: on a
+    # machine without GPUs, a script that does not pass cpu=True gets N lone processes.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise UserError(
+            f"accelerate launch started {launched} processes but they did not form one group "
+            f"(this one sees {accelerator.num_processes}); on a machine without GPUs add --cpu to the script's flags"
+        )
+    # Accelerate has no fp16 autocast on the CPU: it would silently train in fp32.
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise UserError(
+            "fp16 mixed precision needs a GPU (on the CPU it would silently run in fp32); "
+            "use --mixed_precision bf16 or no on the CPU"
+        )
+
+
+def check_enough_devices(cpu: bool) -> None:
+    """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
+    one process per GPU, so a machine cannot run more local processes than it has GPUs."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpus = torch.cuda.device_count()
+    if not cpu and gpus > 0 and local_rank >= gpus:
+        local_processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
+        raise UserError(
+            f"{local_processes} processes on this machine but only {gpus} GPU(s) visible; "
+            f"launch with --num_processes {gpus} per machine (or check CUDA_VISIBLE_DEVICES / gpu_ids)"
+        )
