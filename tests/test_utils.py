@@ -1,5 +1,6 @@
 """utils/ on its own: data readers, checkpoint discovery, the offline metric, fingerprints."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -12,7 +13,13 @@ import pytest
 import torch
 from helpers import make_synthetic_mnist, write_idx
 
-from utils.checkpoints import TRAINING_STATE, find_latest_checkpoint, list_checkpoints, read_training_state
+from utils.checkpoints import (
+    TRAINING_STATE,
+    TrainingProgress,
+    find_latest_checkpoint,
+    list_checkpoints,
+    read_training_state,
+)
 from utils.data import MNIST_MEAN, MNIST_STD, load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
 from utils.metrics import load_metric
@@ -79,24 +86,31 @@ def test_mismatched_images_and_labels_are_refused(gz_folder, tmp_path):
         load_mnist_idx(folder)
 
 
-def _fake_checkpoint(folder, global_step, batches_in_epoch=0, complete=True):
+def _fake_checkpoint(folder, global_step, samples_in_epoch=0, complete=True):
     folder.mkdir(parents=True)
     if complete:
-        (folder / TRAINING_STATE).write_text(json.dumps(
-            {"global_step": global_step, "batches_in_epoch": batches_in_epoch, "epoch": 0, "samples_seen": 0}))
+        progress = TrainingProgress(global_step=global_step, samples_in_epoch=samples_in_epoch)
+        (folder / TRAINING_STATE).write_text(json.dumps(dataclasses.asdict(progress)))
 
 
 def test_latest_checkpoint_is_by_steps_and_ignores_incomplete_ones(tmp_path):
     assert find_latest_checkpoint(tmp_path / "missing") is None
-    _fake_checkpoint(tmp_path / "step_100", 100, batches_in_epoch=100)
+    _fake_checkpoint(tmp_path / "step_100", 100, samples_in_epoch=6400)
     _fake_checkpoint(tmp_path / "epoch_0", 100)  # same step, end of epoch: counts as later
-    _fake_checkpoint(tmp_path / "step_20", 20, batches_in_epoch=20)  # lexically after step_100
+    _fake_checkpoint(tmp_path / "step_20", 20, samples_in_epoch=1280)  # lexically after step_100
     _fake_checkpoint(tmp_path / "step_300", 300, complete=False)  # killed during the save
     _fake_checkpoint(tmp_path / ".tmp-step_400", 400)  # the temporary name is never a checkpoint
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_20", "step_100", "epoch_0"]
     assert find_latest_checkpoint(tmp_path).name == "epoch_0"
     with pytest.raises(UserError, match="not a complete checkpoint"):
         read_training_state(tmp_path / "step_300")
+
+
+def test_a_training_state_of_another_layout_is_refused_in_one_line(tmp_path):
+    (tmp_path / "step_5").mkdir()
+    (tmp_path / "step_5" / TRAINING_STATE).write_text(json.dumps({"global_step": 5, "batches_in_epoch": 5}))
+    with pytest.raises(UserError, match="not in this version's layout"):
+        read_training_state(tmp_path / "step_5")
 
 
 def test_local_accuracy_metric_works_offline():
@@ -107,7 +121,8 @@ def test_local_accuracy_metric_works_offline():
 
 
 def test_hub_metric_names_still_go_to_the_hub():
-    with pytest.raises(Exception):  # offline here, so it must fail rather than silently use something else
+    # offline here, so it must fail rather than silently use something else; evaluate's "not found" error
+    with pytest.raises(FileNotFoundError, match="doesn't exist on the Hugging Face Hub"):
         load_metric("f1")
 
 

@@ -5,10 +5,14 @@ last, inside a temporary folder that is renamed into place. An interrupted save 
 a `.tmp-*` folder, which `find_latest_checkpoint` never returns.
 """
 
+import dataclasses
 import json
+import math
 import re
 import shutil
 from pathlib import Path
+
+from accelerate.logging import get_logger
 
 from utils.errors import UserError
 from utils.results import write_json_atomically
@@ -16,12 +20,67 @@ from utils.results import write_json_atomically
 TRAINING_STATE = "training_state.json"
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
+logger = get_logger(__name__)
 
 
-def save_checkpoint(accelerator, output_dir, name: str, training_state: dict, total_limit=None) -> Path:
+@dataclasses.dataclass
+class TrainingProgress:
+    """Where a run stands, all processes together; saved as training_state.json in every checkpoint.
+
+    Counted in samples, not batches, so that a run can resume on another number of processes.
+    """
+
+    epoch: int = 0  # the epoch in progress (at an epoch boundary: the next one)
+    global_step: int = 0  # optimizer steps taken, fp16-skipped ones included
+    samples_seen: int = 0  # training samples processed over the whole run
+    samples_in_epoch: int = 0  # of those, in the epoch in progress
+    epoch_loss_sum: float = 0.0  # sum of the per-sample training losses of the epoch in progress
+    optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
+    num_processes: int = 1  # of the run that saved it
+    global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
+
+    def add(self, loss_sum: float, samples: int) -> None:
+        """Fold in the losses and sample count of every process since the last call."""
+        self.epoch_loss_sum += loss_sum
+        self.samples_in_epoch += samples
+        self.samples_seen += samples
+
+    def adapt_to(self, accelerator, args, resuming: bool) -> None:
+        """Record this run's process count and global batch. When `resuming` on another process count,
+        first set `args.gradient_accumulation_steps` and the Accelerator's to keep the checkpoint's
+        global batch (raises UserError naming flags that keep it when none does)."""
+        if resuming:
+            args.gradient_accumulation_steps = gradient_accumulation_for(self, accelerator.num_processes, args)
+            accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.num_processes = accelerator.num_processes
+        self.global_batch_size = accelerator.num_processes * args.batch_size * args.gradient_accumulation_steps
+
+    def end_epoch(self) -> float:
+        """The epoch's mean training loss; the progress then points at the next epoch."""
+        mean_loss = self.epoch_loss_sum / max(1, self.samples_in_epoch)
+        self.epoch, self.samples_in_epoch, self.epoch_loss_sum = self.epoch + 1, 0, 0.0
+        return mean_loss
+
+
+
+def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
+    """Collective: every process calls it at the same step. Adds the losses and samples of all
+    processes since the last call to `progress`. Without a GradScaler (fp32, bf16) a non-finite loss
+    ends the run here, naming its step: the weights are lost (fp16's scaler skips such steps)."""
+    rows = accelerator.gather(running_loss.take().unsqueeze(0)).cpu()  # one row per process
+    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()))
+    nonfinite = rows[rows[:, 2] >= 0]
+    if accelerator.scaler is None and len(nonfinite):
+        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:].tolist()
+        raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
+                        f"{find_latest_checkpoint(output_dir) or 'none'}; lower --learning_rate and resume from it")
+
+
+def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgress, total_limit=None) -> Path:
     """`accelerator.save_state` into a temporary folder, then one rename makes it visible.
 
-    Every process calls this: each writes its own RNG state into the folder.
+    Collective: every process calls it at the same step (it holds barriers, and each process
+    writes its own RNG state); the main process writes training_state.json and renames.
     """
     output_dir = Path(output_dir)
     final, tmp = output_dir / name, output_dir / f"{TMP_PREFIX}{name}"
@@ -31,7 +90,7 @@ def save_checkpoint(accelerator, output_dir, name: str, training_state: dict, to
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every rank has finished writing into tmp
     if accelerator.is_main_process:
-        write_json_atomically(tmp / TRAINING_STATE, training_state)
+        write_json_atomically(tmp / TRAINING_STATE, dataclasses.asdict(progress))
         if final.exists():  # e.g. the same step saved again after a restart
             shutil.rmtree(final)
         tmp.rename(final)
@@ -42,10 +101,30 @@ def save_checkpoint(accelerator, output_dir, name: str, training_state: dict, to
     return final
 
 
-def read_training_state(checkpoint) -> dict:
+def load_checkpoint(accelerator, checkpoint, progress: TrainingProgress, args) -> None:
+    """Collective: `accelerator.load_state` (every process reads the weights, optimizer, scheduler,
+    GradScaler and its own RNG states), with one clear line when the folder does not fit the run.
+    No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
+    if checkpoint is None:
+        if args.resume_from_checkpoint == "latest":
+            logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
+        return
+    try:
+        accelerator.load_state(str(checkpoint))
+    except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
+        raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
+                        f"another model") from None
+    # load_state also restores the count of batches in the accumulation cycle, in batches of the saving run's
+    # sharding; a checkpoint is always saved at the end of a cycle, so the next one starts afresh.
+    accelerator.step = 0
+    logger.info(f"Resumed from {checkpoint}: epoch {progress.epoch}, step {progress.global_step}, "
+                f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
+
+
+def read_training_state(checkpoint) -> TrainingProgress:
     path = Path(checkpoint) / TRAINING_STATE
     try:
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(
             f"{checkpoint} is not a complete checkpoint (no {TRAINING_STATE}); pass an epoch_N or "
@@ -53,6 +132,11 @@ def read_training_state(checkpoint) -> dict:
         ) from None
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({type(err).__name__}); resume from another checkpoint") from None
+    fields = {field.name for field in dataclasses.fields(TrainingProgress)}
+    if not isinstance(saved, dict) or set(saved) != fields:
+        raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
+                        f"checkpoint written by these scripts, or start afresh in another --output_dir") from None
+    return TrainingProgress(**saved)
 
 
 def list_checkpoints(output_dir) -> list:
@@ -63,9 +147,9 @@ def list_checkpoints(output_dir) -> list:
     found = []
     for folder in output_dir.iterdir():
         if CHECKPOINT_NAME.match(folder.name) and (folder / TRAINING_STATE).is_file():
-            state = read_training_state(folder)
+            progress = read_training_state(folder)
             # At equal step counts an end-of-epoch checkpoint is "later" than a step one.
-            found.append(((state["global_step"], state["batches_in_epoch"] == 0), folder))
+            found.append(((progress.global_step, progress.samples_in_epoch == 0), folder))
     return [folder for _, folder in sorted(found)]
 
 
@@ -91,3 +175,36 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     if not checkpoint.is_dir():
         raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
     return checkpoint
+
+
+def gradient_accumulation_for(progress: TrainingProgress, num_processes: int, args) -> int:
+    """On resume: the accumulation steps that keep the checkpoint's global batch on `num_processes`
+    processes of `args.batch_size`, logged when they differ from `args.gradient_accumulation_steps`.
+
+    The learning-rate schedule and the optimizer state belong to that global batch; a different
+    one would silently change the run. Raises UserError naming flags that work when none does.
+    """
+    target, batch_size = progress.global_batch_size, args.batch_size
+    if num_processes * batch_size * args.gradient_accumulation_steps == target:
+        return args.gradient_accumulation_steps
+    if target % (num_processes * batch_size) == 0:
+        accumulation = target // (num_processes * batch_size)
+        logger.info(f"resuming on {num_processes} processes: --gradient_accumulation_steps {accumulation} keeps the "
+                    f"checkpoint's global batch of {target} samples", main_process_only=True)
+        return accumulation
+    if target % num_processes:
+        raise UserError(f"the checkpoint's global batch of {target} samples cannot be split over {num_processes} "
+                        f"processes; resume on a number of processes that divides {target}")
+    per_process = target // num_processes
+    keeps = max(b for b in range(1, min(batch_size, per_process) + 1) if per_process % b == 0)
+    raise UserError(f"the checkpoint's global batch is {target} samples ({progress.num_processes} processes); on "
+                    f"{num_processes} processes --batch_size {batch_size} cannot keep it: use --batch_size {keeps} "
+                    f"--gradient_accumulation_steps {per_process // keeps}")
+
+
+def batches_to_skip(progress: TrainingProgress, num_processes: int, batch_size: int) -> int:
+    """Batches per process already trained on in the epoch in progress (checkpoints are saved after an
+    optimizer step, so this part of the epoch is a whole number of global batches). The shuffle order
+    depends only on (seed, epoch) and each process takes every num_processes-th batch of it, so the
+    first samples_in_epoch samples of the order are the first this-many batches of every process."""
+    return math.ceil(progress.samples_in_epoch / (num_processes * batch_size))

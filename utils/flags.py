@@ -5,6 +5,7 @@ Names follow accelerate's examples (`--mixed_precision`, `--cpu`, `--output_dir`
 """
 
 import argparse
+from pathlib import Path
 
 from utils.errors import exit_with_error
 
@@ -63,13 +64,17 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
         help="overrides the launch config (accelerate config / --config_file)",
     )
     hardware.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
+    hardware.add_argument(
+        "--deterministic", action="store_true",
+        help="GPU: deterministic cuDNN/cuBLAS kernels, so reruns and resumes repeat bit for bit (slower)",
+    )
 
     data = parser.add_argument_group("data")
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N")
     data.add_argument("--max_eval_samples", type=positive_int, default=None, help="use only the first N")
 
     out = parser.add_argument_group("output and checkpoints")
-    out.add_argument("--output_dir", default="outputs", help="checkpoints, model.safetensors, results.json, logs")
+    out.add_argument("--output_dir", type=Path, default=Path("outputs"), help="checkpoints, model.safetensors, results.json, logs")
     out.add_argument(
         "--checkpointing_steps", type=checkpointing_steps, default=None,
         help="save a checkpoint every N optimizer steps, or 'epoch' at the end of every epoch",
@@ -86,6 +91,12 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     out.add_argument("--eval_only", action="store_true", help="evaluate --resume_from_checkpoint and write results")
     out.add_argument("--with_tracking", action="store_true", help="log metrics to TensorBoard in --output_dir")
     return parser
+
+
+def tracker_config(args) -> dict:
+    """The run's flags as hyperparameters for the trackers, which take scalars and strings only."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+            if isinstance(v, (int, float, str, bool, Path))}
 
 
 def check_flag_combinations(parser: ArgumentParser, args) -> None:

@@ -16,6 +16,13 @@ def check_accelerator(accelerator) -> None:
             f"accelerate launch started {launched} processes but they did not form one group "
             f"(this one sees {accelerator.num_processes}); on a machine without GPUs add --cpu to the script's flags"
         )
+    # With cpu=True Accelerate turns an FSDP launch into plain DDP: every process would hold the
+    # whole model, unsharded, while the user believes it is sharded.
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not str(accelerator.distributed_type).endswith("FSDP"):
+        raise UserError(
+            "the launch asks for FSDP but this run would not shard (Accelerate uses plain DDP with --cpu); "
+            "FSDP needs GPUs: drop --cpu on a GPU machine, or launch without the FSDP config on the CPU"
+        )
     # Accelerate has no fp16 autocast on the CPU: it would silently train in fp32.
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError(

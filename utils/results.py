@@ -35,9 +35,11 @@ class ThroughputMeter:
         self._last = self._now()
 
     def batch_done(self, num_samples: int):
-        now = time.perf_counter()
-        elapsed, self._last = now - self._last, now
         self.batches += 1
+        # Synchronise only where the steady window starts: the warm-up batches' queued GPU work
+        # must not land in it, and a sync at every batch would slow the very loop being measured.
+        now = self._now() if self.batches == self.warmup_batches else time.perf_counter()
+        elapsed, self._last = now - self._last, now
         self.train_time_s += elapsed
         if self.batches > self.warmup_batches:
             self.steady_time_s += elapsed
@@ -53,6 +55,32 @@ class ThroughputMeter:
             self._last = None
 
 
+class RunningLoss:
+    """This process's sum of per-sample training losses and its sample count, and the first
+    non-finite loss, all kept on the device: the training loop never waits for the GPU to read
+    them. `take()` hands them over (to be summed over processes) and starts afresh."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.samples = torch.zeros((), dtype=torch.float64, device=device)
+        # (optimizer step, loss) of the first non-finite loss; step -1: none yet
+        self.first_nonfinite = torch.tensor([-1.0, 0.0], dtype=torch.float64, device=device)
+
+    def add(self, loss: torch.Tensor, num_samples: int, step: int) -> None:
+        loss = loss.detach().double()
+        self.loss_sum += loss * num_samples
+        self.samples += num_samples
+        first = (self.first_nonfinite[0] < 0) & ~torch.isfinite(loss)
+        here = torch.stack([loss.new_tensor(float(step)), loss])
+        self.first_nonfinite = torch.where(first, here, self.first_nonfinite)
+
+    def take(self) -> torch.Tensor:
+        """[loss sum, samples, first non-finite step, its loss]; the sums restart from zero."""
+        taken = torch.cat([torch.stack([self.loss_sum, self.samples]), self.first_nonfinite])
+        self.loss_sum.zero_(), self.samples.zero_()
+        return taken
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """GPU: peak memory allocated by tensors. CPU: peak resident set size of this process."""
     if device.type == "cuda":
@@ -66,6 +94,54 @@ def fingerprint(tensors) -> int:
     for tensor in tensors:
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return int(digest.hexdigest()[:15], 16)
+
+
+def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint) -> None:
+    """Collective: every process calls it once, after training. Completes `results` with what the
+    run measured and the main process writes results.json.
+
+    Throughput is the samples of all processes over the slowest one's steady-state time. Every
+    replica must hold the same weights: each process adds the fingerprints of its parameters and
+    buffers (BatchNorm statistics agree after an evaluation: DDP broadcasts buffers from rank 0 at
+    every forward). Under FSDP each process holds a shard, so the full weights are fingerprinted once.
+    """
+    device = accelerator.device
+    per_process = accelerator.gather(torch.tensor(
+        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device)]],
+        dtype=torch.float64, device=device,
+    )).cpu()
+    slowest = per_process[:, 1].max().item()
+    results["train_samples_per_second"] = per_process[:, 0].sum().item() / slowest if slowest > 0 else None
+    results["train_time_s"] = per_process[:, 2].max().item()
+    results["peak_memory_mb"] = per_process[:, 3].max().item()
+    if accelerator.is_fsdp2:
+        full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
+        replicas = [[fingerprint(full_weights.values()), 0]] if accelerator.is_main_process else []
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        replica = torch.tensor([[fingerprint(unwrapped.parameters()), fingerprint(unwrapped.buffers())]], device=device)
+        replicas = accelerator.gather(replica).cpu().tolist()
+    if accelerator.is_main_process:
+        results.update({
+            "num_processes": accelerator.num_processes,
+            "mixed_precision": accelerator.mixed_precision,
+            "grad_scaler": accelerator.scaler is not None,
+            "sharded": accelerator.is_fsdp2,
+            "epochs": args.epochs,
+            "global_step": progress.global_step,
+            "samples_seen": progress.samples_seen,
+            "optimizer_steps_skipped": progress.optimizer_steps_skipped,
+            "batch_size_per_process": args.batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "global_batch_size": progress.global_batch_size,
+            "learning_rate": args.learning_rate,
+            "seed": args.seed,
+            "resumed_from": str(checkpoint) if checkpoint is not None else None,
+            "parameter_fingerprints": [row[0] for row in replicas],
+            "buffer_fingerprints": [row[1] for row in replicas],
+        })
+        write_json_atomically(Path(args.output_dir) / "results.json", results)
+        print(f"Wrote {Path(args.output_dir) / 'results.json'}", flush=True)
 
 
 def write_json_atomically(path, data: dict) -> None:

@@ -36,3 +36,12 @@ def ignore_stop_signals(worker_id: int) -> None:
     the training process exits, as always.)"""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def stop_requested(accelerator, stop_signal: StopSignal) -> bool:
+    """Collective: every process calls it after the same optimizer step; True on all of them when a
+    stop signal reached any. (The signal reaches the processes at different moments: Accelerate's
+    trigger is an all-reduce, so they all stop after the same step.)"""
+    if stop_signal.received:
+        accelerator.set_trigger()
+    return accelerator.check_trigger()

@@ -1,0 +1,23 @@
+"""--deterministic: the settings that make GPU runs repeatable, bit for bit, where PyTorch can.
+
+On the CPU our runs are deterministic already. On CUDA two things vary between runs: cuDNN's
+autotuner may pick different convolution algorithms, and some kernels accumulate with atomic
+adds in whatever order the threads arrive. Both are switched off here, at some cost in speed.
+"""
+
+import os
+import warnings
+
+import torch
+
+
+def make_deterministic() -> None:
+    """Call before the first CUDA operation (cuBLAS reads its workspace setting once)."""
+    # cuBLAS: a fixed workspace makes its reductions repeatable (PyTorch's reproducibility notes).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False  # the autotuner times algorithms and may pick another next run
+    torch.backends.cudnn.deterministic = True
+    # warn_only: a few backward kernels (e.g. adaptive average pooling on CUDA) have no deterministic
+    # version; PyTorch names them in a warning instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    warnings.filterwarnings("once", message=".*does not have a deterministic implementation.*")
