@@ -1,0 +1,115 @@
+"""A run saved on 2 processes resumes on 1, 3 or 4 (a preemption, a smaller Slurm allocation):
+every sample of every epoch is trained once, the global batch and the schedule are kept, and
+where the global batch cannot be kept one `error:` line names flags that keep it."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
+from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results
+from image_data import make_split_image_folder
+
+from utils.checkpoints import TrainingProgress, batches_to_skip
+
+CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+# 720 digits; 2 processes x 24 per batch x 3 accumulation steps = 144 samples per optimizer step:
+# 5 steps per epoch, and no padding on 1, 2, 3 or 4 processes (720 is a multiple of each global batch).
+MNIST_RUN = ["--epochs", "2", "--batch_size", "24", "--gradient_accumulation_steps", "3"]
+
+
+@pytest.mark.parametrize("num_processes, batch_size", [(1, 24), (3, 24), (4, 18), (2, 72)])
+def test_each_sample_is_trained_once_per_epoch_across_the_restart(num_processes, batch_size):
+    """Accelerate's own samplers: 2 processes train 2 optimizer steps of epoch 3, then the rest of the
+    epoch runs on another number of processes, skipping batches_to_skip() batches each. (1,003 samples:
+    the last batches are padded with samples from the start, as Accelerate's even_batches does.)"""
+    size, seed, epoch, old_batch, old_processes, steps_done = 1003, 42, 3, 24, 2, 2
+    sampler = SeedableRandomSampler(range(size), data_seed=seed)
+    sampler.set_epoch(epoch)
+    order = list(sampler)
+
+    def shard(batch_size, num_processes, rank):
+        sampler.set_epoch(epoch)
+        batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last=False)
+        return BatchSamplerShard(batches, num_processes=num_processes, process_index=rank, even_batches=True)
+
+    global_batch = old_processes * old_batch * 3
+    before = [i for rank in range(old_processes) for batch in list(shard(old_batch, old_processes, rank))[:steps_done * 3]
+              for i in batch]
+    progress = TrainingProgress(samples_in_epoch=steps_done * global_batch, global_batch_size=global_batch)
+    skip = batches_to_skip(progress, num_processes, batch_size)
+    after = [i for rank in range(num_processes)
+             for batch in SkipBatchSampler(shard(batch_size, num_processes, rank), skip) for i in batch]
+    assert sorted(before) == sorted(order[:steps_done * global_batch])  # the first samples of the shuffle
+    trained = before + after
+    assert set(trained) == set(range(size))  # every sample of the epoch
+    padding = len(trained) - size
+    assert 0 <= padding < num_processes * batch_size  # repeats only to fill the last round of batches
+    # and those repeats are samples from the start of the epoch, not from the part trained before the restart twice
+    repeats = [i for i in set(trained) if trained.count(i) > 1]
+    assert len(repeats) == padding and set(repeats) <= set(order[:padding + batch_size * num_processes])
+
+
+@pytest.fixture(scope="module")
+def saved_on_2(tmp_path_factory):
+    """One 2-process run with a checkpoint every 2 optimizer steps, one saving at every epoch's end."""
+    data = make_synthetic_mnist(tmp_path_factory.mktemp("resume_data"), num_train=720, num_test=101)
+    runs = {}
+    for name, every in (("steps", "2"), ("epochs", "epoch")):
+        out = tmp_path_factory.mktemp(f"saved_{name}")
+        launch(["--data_dir", data, "--output_dir", out, *MNIST_RUN, "--checkpointing_steps", every], num_processes=2)
+        runs[name] = out
+    return data, runs
+
+
+@pytest.mark.parametrize("num_processes, flags, accumulation", [
+    (1, [], 6), (3, [], 2), (4, ["--batch_size", "18", "--gradient_accumulation_steps", "2"], 2)])
+@pytest.mark.parametrize("checkpoint", ["step_2", "epoch_0"])  # 288 samples into epoch 0; the end of epoch 0
+def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, tmp_path, checkpoint, num_processes, flags,
+                                                            accumulation):
+    data, runs = saved_on_2
+    source = runs["steps" if checkpoint.startswith("step") else "epochs"]
+    shutil.copytree(source / checkpoint, tmp_path / checkpoint)
+    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, *flags, "--resume_from_checkpoint",
+                   "latest"], num_processes=num_processes)
+    r, reference = results(tmp_path), results(source)
+    assert r["num_processes"] == num_processes and r["resumed_from"].endswith(checkpoint)
+    assert r["gradient_accumulation_steps"] == accumulation
+    assert r["global_batch_size"] == reference["global_batch_size"] == 144
+    assert r["global_step"] == reference["global_step"] == 10  # the schedule's length: 2 epochs of 5 steps
+    assert r["samples_seen"] == reference["samples_seen"] == 2 * 720  # each sample once per epoch
+    assert r["eval_samples"] == 101 and r["eval_accuracy"] > 0.9
+    adjusted = f"--gradient_accumulation_steps {accumulation} keeps the checkpoint's global batch" in proc.stderr
+    assert adjusted == (not flags)  # said when the accumulation was changed, not when the flags already fit
+    saved = json.loads((tmp_path / checkpoint / "training_state.json").read_text())
+    assert saved["num_processes"] == 2 and saved["global_batch_size"] == 144
+
+
+def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(saved_on_2, tmp_path):
+    data, runs = saved_on_2
+    shutil.copytree(runs["steps"] / "step_2", tmp_path / "step_2")
+    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--resume_from_checkpoint", "latest"],
+                  num_processes=4, check=False)
+    # 144 / 4 = 36 samples per process: 24 does not divide it, 18 x 2 does
+    assert_clean_user_error(proc, "global batch is 144", "--batch_size 18 --gradient_accumulation_steps 2")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_train_image_classifier_resumes_mid_epoch_on_one_process(tmp_path_factory, tmp_path):
+    """240 training images, 2 processes x 8 x 2 = 32 per step: 7 steps per epoch on any process count
+    (whole global batches only; the 16 images left over change with each epoch's shuffle)."""
+    folder = make_split_image_folder(tmp_path_factory.mktemp("resume_images"))
+    common = ["--data_dir", folder, "--model", "resnet18", "--image_size", "32", "--optimizer", "adamw",
+              "--num_workers", "0", "--epochs", "2", "--batch_size", "8", "--gradient_accumulation_steps", "2"]
+    saved = tmp_path / "saved"
+    launch([*common, "--output_dir", saved, "--checkpointing_steps", "3"], num_processes=2, script=CLASSIFIER)
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(saved / "step_3", resumed / "step_3")
+    launch([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], num_processes=1,
+           script=CLASSIFIER)
+    r, reference = results(resumed), results(saved)
+    assert r["num_processes"] == 1 and r["gradient_accumulation_steps"] == 4
+    assert r["global_step"] == r["lr_scheduler_steps"] == reference["global_step"] == 2 * 7
+    assert r["samples_seen"] == reference["samples_seen"] == 2 * 7 * 32
