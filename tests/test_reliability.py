@@ -134,6 +134,7 @@ def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_p
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 loss scaling needs a CUDA GPU (Accelerate has no "
                     "GradScaler on the CPU); CI has none")
 def test_fp16_overflow_steps_are_counted(data, tmp_path):

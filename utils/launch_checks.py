@@ -3,7 +3,13 @@ Accelerator is built, each ending with one `error:` line."""
 
 import os
 
+from accelerate.utils import DistributedType
+
 from utils.errors import UserError
+
+FSDP_NEEDS_GPUS = ("the launch asks for FSDP, which shards the model over GPUs, but this run has none (or --cpu, with "
+                   "which Accelerate would silently train unsharded with DDP); launch FSDP on GPUs without --cpu, or "
+                   "use a non-FSDP config on the CPU")
 
 
 def check_accelerator(accelerator) -> None:
@@ -16,13 +22,8 @@ def check_accelerator(accelerator) -> None:
             f"accelerate launch started {launched} processes but they did not form one group "
             f"(this one sees {accelerator.num_processes}); on a machine without GPUs add --cpu to the script's flags"
         )
-    # With cpu=True Accelerate turns an FSDP launch into plain DDP: every process would hold the
-    # whole model, unsharded, while the user believes it is sharded.
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not str(accelerator.distributed_type).endswith("FSDP"):
-        raise UserError(
-            "the launch asks for FSDP but this run would not shard (Accelerate uses plain DDP with --cpu); "
-            "FSDP needs GPUs: drop --cpu on a GPU machine, or launch without the FSDP config on the CPU"
-        )
+    if fsdp_launch() and accelerator.distributed_type != DistributedType.FSDP:  # see check_enough_devices
+        raise UserError(FSDP_NEEDS_GPUS)
     # Accelerate has no fp16 autocast on the CPU: it would silently train in fp32.
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError(
@@ -31,13 +32,23 @@ def check_accelerator(accelerator) -> None:
         )
 
 
+def fsdp_launch() -> bool:
+    """`accelerate launch` was asked for FSDP (--use_fsdp, or `distributed_type: FSDP` in the config)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def check_enough_devices(cpu: bool) -> None:
     """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
-    one process per GPU, so a machine cannot run more local processes than it has GPUs."""
+    one process per GPU, so a machine cannot run more local processes than it has GPUs; and FSDP
+    only where it can shard (GPUs, no --cpu)."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count()
+    # With cpu=True Accelerate silently turns an FSDP launch into plain DDP (every process holds
+    # the whole model while the user believes it is sharded); without GPUs it fails deep inside.
+    if fsdp_launch() and (cpu or gpus == 0):
+        raise UserError(FSDP_NEEDS_GPUS)
     if not cpu and gpus > 0 and local_rank >= gpus:
         local_processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
         raise UserError(

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import torch
+from accelerate.utils import is_compiled_module
 
 from utils.errors import UserError
 
@@ -127,6 +128,7 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "mixed_precision": accelerator.mixed_precision,
             "grad_scaler": accelerator.scaler is not None,
             "sharded": accelerator.is_fsdp2,
+            "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
             "epochs": args.epochs,
             "global_step": progress.global_step,
             "samples_seen": progress.samples_seen,

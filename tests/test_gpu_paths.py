@@ -1,0 +1,145 @@
+"""The GPU code paths. What can be shown on the CPU runs everywhere (the compile wrapper in the saved
+weights, FSDP refused where it cannot shard); the rest is marked `gpu` and skips without CUDA. A GPU
+owner checks the whole collection with
+
+    python -m pytest -q -m gpu tests
+
+(one GPU: the multi-GPU claims, DataParallel over several GPUs, NCCL across ranks, SyncBatchNorm,
+stay untested there; they skip and say so)."""
+
+import math
+import shutil
+
+import pytest
+import torch
+import torchvision
+from helpers import (
+    MNIST_10K,
+    REPO,
+    TRAIN_MNIST,
+    assert_clean_user_error,
+    launch,
+    launcher_args,
+    make_synthetic_mnist,
+    requires_mnist_10k,
+    results,
+    run,
+)
+from image_data import make_split_image_folder
+from safetensors.torch import load_file
+
+from utils.models import ConvNet
+
+CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
+
+
+def gpu_launch(script_args, script=TRAIN_MNIST, config_file=None, **kwargs):
+    """accelerate launch on the GPU: no --cpu, one process unless the config says otherwise."""
+    if config_file is not None:
+        cmd = [*launcher_args(config_file=config_file), "--num_processes", "1"]
+    else:
+        cmd = launcher_args(1)
+    return run([*cmd, script, *script_args], **kwargs)
+
+
+# ---------------------------------------------------------------- shown on the CPU
+
+
+def test_torch_compile_leaves_no_wrapper_in_the_saved_weights(synthetic_mnist, tmp_path):
+    """The launch config's dynamo backend compiles the model (eager here: no compiler needed). The
+    saved model.safetensors holds the plain ConvNet's names, not `_orig_mod.`-prefixed ones."""
+    cmd = [*launcher_args(1), TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, "--output_dir", tmp_path,
+           "--epochs", "1", "--max_train_samples", "128"]
+    cmd[cmd.index("--dynamo_backend") + 1] = "eager"
+    run(cmd)
+    assert results(tmp_path)["compiled"] is True
+    weights = load_file(tmp_path / "model.safetensors")
+    assert not [name for name in weights if "_orig_mod" in name or name.startswith("module.")]
+    ConvNet().load_state_dict(weights)  # strict: every name matches the plain model
+
+
+def test_fsdp_launch_with_cpu_is_refused_in_one_line(synthetic_mnist, tmp_path):
+    """With cpu=True Accelerate would silently replace FSDP by plain DDP (or, without GPUs, fail deep
+    inside); the scripts say so instead of training unsharded."""
+    cmd = [*launcher_args(1), "--use_fsdp", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist,
+           "--output_dir", tmp_path / "out"]
+    proc = run(cmd, check=False)
+    assert_clean_user_error(proc, "FSDP", "--cpu")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@requires_mnist_10k
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_train_mnist_mixed_precision_on_gpu(precision, tmp_path):
+    gpu_launch(["--data_dir", MNIST_10K, "--output_dir", tmp_path, "--mixed_precision", precision])
+    r = results(tmp_path)
+    assert r["mixed_precision"] == precision and r["num_processes"] == 1
+    assert r["eval_accuracy"] >= 0.98 and r["eval_samples"] == 2000  # the CPU floor
+    assert r["grad_scaler"] is (precision == "fp16")  # loss scaling only for fp16
+    assert 0 <= r["optimizer_steps_skipped"] < 10  # reported; a few at the start while the scale settles
+    assert 0 < r["peak_memory_mb"] < 4096  # torch.cuda.max_memory_allocated, not the process's RSS
+    print(f"train_mnist {precision}: {r['train_samples_per_second']:.0f} samples/s, "
+          f"{r['peak_memory_mb']:.0f} MB, {r['optimizer_steps_skipped']} skipped steps")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fp16_resume_is_bit_exact_with_deterministic(tmp_path):
+    """--deterministic: cuDNN and cuBLAS without autotuning or atomics. Two uninterrupted runs agree,
+    and a run resumed mid-epoch from a checkpoint ends with the same weights, bit for bit."""
+    data = make_synthetic_mnist(tmp_path / "data", num_train=1024, num_test=101)
+    common = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--mixed_precision", "fp16",
+              "--deterministic"]
+    gpu_launch([*common, "--output_dir", tmp_path / "a", "--checkpointing_steps", "45"])
+    gpu_launch([*common, "--output_dir", tmp_path / "b"])
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "a" / "step_45", tmp_path / "resumed" / "step_45")  # 13 batches into epoch 1
+    gpu_launch([*common, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"])
+    weights = {name: (tmp_path / name / "model.safetensors").read_bytes() for name in ("a", "b", "resumed")}
+    assert weights["a"] == weights["b"], "two identical deterministic runs differ: a kernel is not deterministic"
+    assert weights["resumed"] == weights["a"]
+    assert results(tmp_path / "resumed")["samples_seen"] == results(tmp_path / "a")["samples_seen"] == 2 * 1024
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("extra", [["--channels_last"], ["--channels_last", "--compile"]], ids=["eager", "compile"])
+def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path):
+    data = make_split_image_folder(tmp_path / "data", train_per_class=128, val_per_class=16)
+    out = tmp_path / "out"
+    gpu_launch(["--data_dir", data, "--output_dir", out, "--model", "resnet50", "--image_size", "128",
+                "--batch_size", "64", "--epochs", "2", "--mixed_precision", "fp16", "--num_workers", "4", *extra],
+               script=CLASSIFIER)
+    r = results(out)
+    assert r["mixed_precision"] == "fp16" and r["grad_scaler"] is True and math.isfinite(r["train_loss"])
+    assert r["eval_samples"] == 4 * 16 and r["samples_seen"] == 2 * (4 * 128 // 64) * 64
+    model = torchvision.models.resnet50(num_classes=4)
+    model.load_state_dict(load_file(out / "model.safetensors"))  # plain names, compiled or not
+    print(f"resnet50 fp16 {' '.join(extra)}: {r['train_samples_per_second']:.0f} img/s")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints(tmp_path):
+    """FSDP2 through accelerate_configs/fsdp.yaml on one GPU: the checkpoints hold sharded state that
+    resumes; model.safetensors holds the full weights under the plain model's names."""
+    data = make_synthetic_mnist(tmp_path / "data", num_train=1024, num_test=101)
+    common = ["--data_dir", data, "--epochs", "2", "--batch_size", "32"]
+    gpu_launch([*common, "--output_dir", tmp_path / "a", "--checkpointing_steps", "40"], config_file=FSDP_CONFIG)
+    r = results(tmp_path / "a")
+    assert r["sharded"] is True and len(r["parameter_fingerprints"]) == 1
+    ConvNet().load_state_dict(load_file(tmp_path / "a" / "model.safetensors"))
+    (tmp_path / "resumed").mkdir()
+    shutil.copytree(tmp_path / "a" / "step_40", tmp_path / "resumed" / "step_40")
+    gpu_launch([*common, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"],
+               config_file=FSDP_CONFIG)
+    resumed = results(tmp_path / "resumed")
+    assert resumed["global_step"] == r["global_step"] and resumed["samples_seen"] == r["samples_seen"]
+    assert resumed["eval_accuracy"] > 0.9
