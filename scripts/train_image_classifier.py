@@ -254,6 +254,8 @@ def main(args):
         batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader  # [accelerate]
         meter.start()
         for images, labels in batches:
+            if progress.global_step == (epoch + 1) * steps_per_epoch:  # whole global batches only, see above
+                break
             if args.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
             with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
@@ -292,9 +294,6 @@ def main(args):
                     meter.start()
                 if stopping:
                     break
-
-            if progress.global_step == (epoch + 1) * steps_per_epoch:  # whole global batches only, see above
-                break
         meter.pause()
         if stopping:
             break
