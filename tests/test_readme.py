@@ -29,7 +29,9 @@ TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile tests"
 
 def test_quickstart_has_the_install_run_and_test_commands():
     quickstart = README.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
-    assert bash_commands(quickstart) == ["pip install -r requirements.txt", QUICKSTART_RUN, TEST_COMMAND]
+    commands = bash_commands(quickstart)
+    assert commands[0] == "pip install -r requirements.txt" and commands[-2:] == [QUICKSTART_RUN, TEST_COMMAND]
+    assert any("scripts/minimal_mnist.py" in c for c in commands), "the quickstart starts with the minimal pair"
 
 
 def test_ci_runs_the_readme_install_and_test_commands():

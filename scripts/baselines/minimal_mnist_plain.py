@@ -1,0 +1,97 @@
+#!/usr/bin/env python
+"""A small ConvNet on MNIST in plain PyTorch, on one device: the "before" of scripts/minimal_mnist.py.
+
+    python scripts/baselines/minimal_mnist_plain.py --data_dir path/to/mnist
+
+`diff scripts/baselines/minimal_mnist_plain.py scripts/minimal_mnist.py` is the whole migration.
+"""
+
+import argparse
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ConvNet(nn.Module):
+    """(Conv 5x5 -> BatchNorm -> ReLU -> MaxPool) x 2 -> Linear: 28x28 -> 14x14x16 -> 7x7x32 -> 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(7 * 7 * 32, 10)
+
+    def forward(self, x):
+        return self.fc(self.layer2(self.layer1(x)).flatten(1))
+
+
+def load_split(data_dir, prefix):
+    """One split from the gzipped IDX files (torchvision's reader takes uncompressed files only):
+    a big-endian header (the dimensions), then one byte per pixel or label."""
+    arrays = []
+    for name in (f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"):
+        data = gzip.decompress((Path(data_dir) / name).read_bytes())
+        shape = struct.unpack(f">{data[3]}I", data[4 : 4 + 4 * data[3]])
+        arrays.append(torch.from_numpy(np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape).copy()))
+    images, labels = arrays
+    return TensorDataset((images.unsqueeze(1).float() / 255 - 0.1307) / 0.3081, labels.long())
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", required=True, help="folder with the four MNIST IDX .gz files")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output_dir", default="outputs/minimal")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    torch.manual_seed(args.seed)
+
+    train_dataloader = DataLoader(load_split(args.data_dir, "train"), batch_size=args.batch_size, shuffle=True)
+    eval_dataloader = DataLoader(load_split(args.data_dir, "t10k"), batch_size=args.batch_size)
+    model = ConvNet().to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
+
+    for epoch in range(args.epochs):
+        model.train()
+        for step, (images, labels) in enumerate(train_dataloader):
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels) / args.gradient_accumulation_steps
+            loss.backward()
+            if (step + 1) % args.gradient_accumulation_steps == 0 or step + 1 == len(train_dataloader):
+                optimizer.step()
+                optimizer.zero_grad()
+
+        model.eval()
+        correct = total = 0
+        for images, labels in eval_dataloader:
+            images, labels = images.to(device), labels.to(device)
+            with torch.no_grad():
+                predictions = model(images).argmax(dim=-1)
+            correct += (predictions == labels).sum().item()
+            total += len(labels)
+        print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")
+
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    save_file(model.state_dict(), Path(args.output_dir) / "model.safetensors")
+    results = {"eval_accuracy": correct / total, "eval_samples": total, "num_processes": 1}
+    (Path(args.output_dir) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -1,0 +1,103 @@
+#!/usr/bin/env python
+"""A small ConvNet on MNIST with Accelerate, on any number of processes: the "after" of minimal_mnist_plain.py.
+
+    accelerate launch scripts/minimal_mnist.py --data_dir path/to/mnist
+
+`diff scripts/baselines/minimal_mnist_plain.py scripts/minimal_mnist.py` is the whole migration.
+"""
+
+import argparse
+import gzip
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator  # [accelerate]
+from accelerate.utils import set_seed  # [accelerate]
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ConvNet(nn.Module):
+    """(Conv 5x5 -> BatchNorm -> ReLU -> MaxPool) x 2 -> Linear: 28x28 -> 14x14x16 -> 7x7x32 -> 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Sequential(nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2))
+        self.layer2 = nn.Sequential(nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2))
+        self.fc = nn.Linear(7 * 7 * 32, 10)
+
+    def forward(self, x):
+        return self.fc(self.layer2(self.layer1(x)).flatten(1))
+
+
+def load_split(data_dir, prefix):
+    """One split from the gzipped IDX files (torchvision's reader takes uncompressed files only):
+    a big-endian header (the dimensions), then one byte per pixel or label."""
+    arrays = []
+    for name in (f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"):
+        data = gzip.decompress((Path(data_dir) / name).read_bytes())
+        shape = struct.unpack(f">{data[3]}I", data[4 : 4 + 4 * data[3]])
+        arrays.append(torch.from_numpy(np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape).copy()))
+    images, labels = arrays
+    return TensorDataset((images.unsqueeze(1).float() / 255 - 0.1307) / 0.3081, labels.long())
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data_dir", required=True, help="folder with the four MNIST IDX .gz files")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--learning_rate", type=float, default=1e-3)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--output_dir", default="outputs/minimal")
+    parser.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
+    return parser.parse_args(argv)
+
+
+def main(args):
+    # [accelerate] the device, the processes and the precision (fp16/bf16) come from `accelerate config` / launch
+    accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    set_seed(args.seed)  # [accelerate]
+
+    train_dataloader = DataLoader(load_split(args.data_dir, "train"), batch_size=args.batch_size, shuffle=True)
+    eval_dataloader = DataLoader(load_split(args.data_dir, "t10k"), batch_size=args.batch_size)
+    model = ConvNet()
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
+    # [accelerate] DDP across processes, each dataloader sharded per process, batches moved to the device
+    model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
+        model, optimizer, train_dataloader, eval_dataloader
+    )
+
+    for epoch in range(args.epochs):
+        model.train()
+        for images, labels in train_dataloader:
+            with accelerator.accumulate(model):  # [accelerate] steps every N batches, no all-reduce in between
+                loss = F.cross_entropy(model(images), labels)
+                accelerator.backward(loss)  # [accelerate] divides by N; scales the fp16 loss
+                optimizer.step()
+                optimizer.zero_grad()
+
+        model.eval()
+        correct = total = 0
+        for images, labels in eval_dataloader:
+            with torch.no_grad():
+                predictions = model(images).argmax(dim=-1)
+            # [accelerate] every process's predictions, without the samples repeated to even out the shards
+            predictions, labels = accelerator.gather_for_metrics((predictions, labels))
+            correct += (predictions == labels).sum().item()
+            total += len(labels)
+        accelerator.print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")
+
+    accelerator.save_model(model, args.output_dir)  # [accelerate] the unwrapped weights, from the main process
+    if accelerator.is_main_process:  # [accelerate]
+        results = {"eval_accuracy": correct / total, "eval_samples": total, "num_processes": accelerator.num_processes}
+        (Path(args.output_dir) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(parse_args())
