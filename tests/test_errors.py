@@ -131,6 +131,15 @@ def test_errors_through_the_launcher_with_two_processes(tmp_path):
     ("distributed_type: MULTI_GPU\nnum_processes: 3\nnum_machines: 2\nmachine_rank: 2\n",
      ["a multiple of num_machines (2)", "machine_rank (2) must be between 0 and num_machines - 1"]),
     ("distributed_type: MULTI_GPU\nnum_processes: 2\nmain_process_port: 80\n", ["main_process_port 80"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: two\n", ["num_processes: 'two' is not a whole number"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmain_process_port: abc\n",
+     ["main_process_port: 'abc' is not a whole number", "main_process_port: 29500"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nmixed_precision: fp32\n",
+     ["mixed_precision: 'fp32' is not one of", "full precision is 'no'"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\nuse_cpu: maybe\n", ["use_cpu: 'maybe' must be true or false"]),
+    ("distributed_type: MULTI_GPU\nnum_processes: 2\ndynamo_config:\n  dynamo_backend: turbo\n",
+     ["dynamo_backend: 'turbo' is not one of"]),
+    ("- just\n- a list\n", ["no `key: value` settings"]),
 ])
 def test_malformed_or_inconsistent_launch_config(tmp_path, text, words):
     """accelerate launch answers these with a traceback, or silently starts the wrong number

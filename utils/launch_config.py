@@ -23,11 +23,14 @@ def check_launch_config(path) -> str:
     if not path.is_file():
         raise UserError(f"{path}: no such config file; run `accelerate config --config_file {path}` to write one")
     try:
-        yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise UserError(f"{path} is not valid YAML ({where}{getattr(err, 'problem', err)}); fix the syntax") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} holds no `key: value` settings; compare with accelerate_configs/")
+    check_value_types(path, raw)
     try:
         config = load_config_from_file(str(path))
     except (TypeError, ValueError, AttributeError) as err:  # unknown keys, bad enum values, missing fields
@@ -58,6 +61,35 @@ def check_launch_config(path) -> str:
     precision = config.mixed_precision.value if hasattr(config.mixed_precision, "value") else config.mixed_precision
     device = "CPU" if config.use_cpu else "GPU"
     return f"{path}: {kind}, {processes} process(es) on {machines} machine(s), {device}, mixed precision {precision}"
+
+
+INTEGER_KEYS = {"num_processes": 2, "num_machines": 1, "machine_rank": 0, "main_process_port": 29500}  # examples
+BOOLEAN_KEYS = ("use_cpu", "debug", "rdzv_backend_static")
+
+
+def check_value_types(path, raw: dict) -> None:
+    """The values accelerate would choke on with a traceback (a string where it compares numbers)
+    or accept only to refuse at launch (a precision it does not know)."""
+    from accelerate.utils import DynamoBackend, PrecisionType
+
+    problems = []
+    for key, example in INTEGER_KEYS.items():
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            problems.append(f"{key}: {value!r} is not a whole number (e.g. {key}: {example})")
+    for key in BOOLEAN_KEYS:
+        if key in raw and not isinstance(raw[key], bool):
+            problems.append(f"{key}: {raw[key]!r} must be true or false")
+    precisions = [p.value for p in PrecisionType]
+    if "mixed_precision" in raw and raw["mixed_precision"] not in precisions:
+        problems.append(f"mixed_precision: {raw['mixed_precision']!r} is not one of {precisions} "
+                        f"(full precision is 'no')")
+    backend = (raw.get("dynamo_config") or {}).get("dynamo_backend")
+    backends = [b.value for b in DynamoBackend]
+    if backend is not None and str(backend).upper() not in backends:
+        problems.append(f"dynamo_config.dynamo_backend: {backend!r} is not one of {backends}")
+    if problems:
+        raise UserError(f"{path}: " + "; ".join(problems))
 
 
 def main(paths) -> int:
