@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.benchmarking import machine_facts, summarize  # noqa: E402
+from utils.benchmarking import machine_facts, portable_command, summarize  # noqa: E402
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, positive_int  # noqa: E402
@@ -205,13 +205,25 @@ def run_environment(combo, on_cpu: bool) -> dict:
         # would otherwise choose different thread counts).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // combo.num_processes))
     if combo.method == "dataparallel":
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(combo.num_processes))
+        # DataParallel drives every GPU it sees: show it the first N of the GPUs the user chose
+        # (CUDA_VISIBLE_DEVICES, as every other method respects it), not of the machine's.
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        chosen = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen[:combo.num_processes])
     return env
+
+
+def ran_as_asked(combo, results: dict):
+    """None, or why a finished run is not the combination asked for: DataParallel is one process
+    driving N GPUs (results' num_gpus), the other methods N processes."""
+    used = results["num_gpus"] if combo.method == "dataparallel" else results["num_processes"]
+    unit = "GPUs" if combo.method == "dataparallel" else "processes"
+    return None if used == combo.num_processes else f"ran on {used} {unit}, not {combo.num_processes}"
 
 
 def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
     cmd = command_for(combo, args, on_cpu, run_dir / "out")
-    record = {**asdict(combo), "command": shlex.join(cmd)}
+    record = {**asdict(combo), "command": portable_command(cmd, REPO, run_dir)}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
                               env=run_environment(combo, on_cpu))
@@ -225,9 +237,9 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
         reason = (ours or lines or [f"exit status {proc.returncode}"])[-1]
         return {**record, "status": "failed", "reason": reason[:300]}
     results = json.loads(results_file.read_text())
-    gpus_used = results.get("num_gpus", results["num_processes"])
-    if gpus_used != combo.num_processes:
-        return {**record, "status": "failed", "reason": f"ran on {gpus_used} processes, not {combo.num_processes}"}
+    mismatch = ran_as_asked(combo, results)
+    if mismatch:
+        return {**record, "status": "failed", "reason": mismatch}
     return {
         **record, "status": "ok", "reason": "",
         "samples_per_second": results["train_samples_per_second"],
@@ -235,6 +247,7 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
         "peak_memory_mb": results["peak_memory_mb"],
         "eval_accuracy": results.get("eval_accuracy") if combo.model == "mnist" else None,
         "eval_samples": results.get("eval_samples") if combo.model == "mnist" else None,
+        "train_loss": results.get("train_loss"),  # compared across methods by the tests: the same training
     }
 
 
@@ -445,11 +458,12 @@ def main(args):
     write_csv(output_dir / "benchmark.csv", rows)
     write_markdown(output_dir / "benchmark.md", rows)
     write_json_atomically(output_dir / "benchmark.json", {
-        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "command": portable_command(["python", *sys.argv], REPO),
         "machine": {**machine_facts(), "load_average_1min_before": load_before},
         "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
         "threads_per_process": "cores / processes (OMP_NUM_THREADS)" if on_cpu else None,
-        "settings": {k: v for k, v in vars(args).items()},
+        "settings": {k: portable_command([v], REPO) if isinstance(v, (str, Path)) and os.path.isabs(v) else v
+                     for k, v in vars(args).items()},
         "rows": rows,
         "runs": [run for runs in runs_by_round for run in runs.values()],
     })

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.benchmarking import autocast_dtype, reject_flags_the_baselines_lack, synthetic_images  # noqa: E402
+from utils.benchmarking import AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack, synthetic_images  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_parser, positive_int  # noqa: E402
@@ -135,6 +135,7 @@ def main(args):
         optimizer, max_lr=args.learning_rate, total_steps=steps_per_epoch * args.epochs, pct_start=0.15
     )
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and accelerator is None)
+    step_watch = OptimizerStepWatch(optimizer)  # no host sync to learn whether it stepped
     if accelerator is not None:
         # [accelerate] DDP when several processes, autocast in forward, GradScaler for fp16
         model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
@@ -143,11 +144,13 @@ def main(args):
         if args.method == "ddp":
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         elif args.method == "dataparallel":
-            model = nn.DataParallel(model)
+            model = nn.DataParallel(AutocastInForward(model, amp_dtype))  # see AutocastInForward
         if args.compile:
             model = torch.compile(model)
 
         def autocast():
+            if args.method == "dataparallel":  # the replicas' threads autocast inside forward
+                return contextlib.nullcontext()
             return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
     meter = ThroughputMeter(device)
@@ -173,7 +176,7 @@ def main(args):
             labels = labels.to(device, non_blocking=True)
             with autocast():
                 logits = model(images)
-                loss = F.cross_entropy(logits, labels)
+                loss = F.cross_entropy(logits.float(), labels)  # DataParallel gathers fp16 logits outside autocast
             if accelerator is not None:
                 accelerator.backward(loss)  # [accelerate] scales fp16 losses
                 optimizer.step()
@@ -181,10 +184,9 @@ def main(args):
                     lr_scheduler.step()
             else:
                 scaler.scale(loss).backward()
-                scale_before = scaler.get_scale()
                 scaler.step(optimizer)
                 scaler.update()
-                if scaler.get_scale() >= scale_before:  # the scale only drops after a skipped step
+                if step_watch.take():  # GradScaler did not skip the step
                     lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             loss_sum += loss.detach().double() * len(labels)
@@ -219,6 +221,8 @@ def main(args):
             "peak_memory_mb": per_process[:, 3].max().item(),
             "peak_memory_mb_per_process": per_process[:, 3].tolist(),
             "num_processes": world_size,
+            # DataParallel drives every visible GPU from one process
+            "num_gpus": torch.cuda.device_count() if args.method == "dataparallel" else None,
             "mixed_precision": args.mixed_precision or "no",
             "epochs": args.epochs,
             "batch_size_per_process": args.batch_size,

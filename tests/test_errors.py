@@ -112,8 +112,10 @@ def test_unwritable_output_dir(data, tmp_path):
 
 
 def test_multi_process_launch_without_cpu_flag_is_caught(data, tmp_path):
-    """Without GPUs and without --cpu, accelerate would run 2 lone copies of the job."""
-    proc = run([*launcher_args(2), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path / "out"], check=False)
+    """Without GPUs and without --cpu, accelerate would run 2 lone copies of the job. The GPUs are
+    hidden so that the case is the same on a GPU machine (where 2 processes would otherwise train)."""
+    proc = run([*launcher_args(2), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path / "out"], check=False,
+               env={"CUDA_VISIBLE_DEVICES": ""})
     assert_clean_user_error(proc, "did not form one group", "--cpu")
 
 

@@ -3,8 +3,10 @@ summaries of repeated runs. No distribution logic in here."""
 
 import os
 import platform
+import shlex
 import statistics
 import subprocess
+import sys
 
 import torch
 from torch.utils.data import TensorDataset
@@ -43,6 +45,38 @@ def autocast_dtype(mixed_precision, device: torch.device):
     return {"fp16": torch.float16, "bf16": torch.bfloat16}[mixed_precision]
 
 
+class OptimizerStepWatch:
+    """Whether `optimizer.step()` ran since the last look. GradScaler skips the call when fp16
+    gradients overflowed; a post-hook on the optimizer knows that without reading anything off the
+    GPU (the usual recipe, comparing `scaler.get_scale()` before and after, costs two host syncs a step)."""
+
+    def __init__(self, optimizer):
+        self.stepped = False
+        optimizer.register_step_post_hook(self._mark)
+
+    def _mark(self, optimizer, args, kwargs):
+        self.stepped = True
+
+    def take(self) -> bool:
+        stepped, self.stepped = self.stepped, False
+        return stepped
+
+
+class AutocastInForward(torch.nn.Module):
+    """autocast is thread-local, and DataParallel runs each replica in a thread of its own,
+    passing on only whether autocast is on, not its dtype (a bf16 run would compute in fp16).
+    PyTorch's AMP notes for DataParallel: enter autocast inside forward."""
+
+    def __init__(self, module: torch.nn.Module, amp_dtype):
+        super().__init__()
+        self.module, self.amp_dtype = module, amp_dtype
+
+    def forward(self, x):
+        device_type = x.device.type
+        with torch.autocast(device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+            return self.module(x)
+
+
 def synthetic_images(num_samples: int, image_size: int, num_classes: int = 1000, seed: int = 0) -> TensorDataset:
     """Random normalised images and labels, as the classic ImageNet benchmarks use to time the
     GPU without the JPEG decoder (e.g. pytorch/examples imagenet --dummy)."""
@@ -50,6 +84,22 @@ def synthetic_images(num_samples: int, image_size: int, num_classes: int = 1000,
     images = torch.randn(num_samples, 3, image_size, image_size, generator=generator)
     labels = torch.randint(0, num_classes, (num_samples,), generator=generator)
     return TensorDataset(images, labels)
+
+
+def portable_command(words, repo, run_dir=None) -> str:
+    """A command as a reader runs it from the repository root: `python` for this interpreter,
+    paths relative to the repository, the run's temporary folder as RUN_DIR. (Published records
+    must not name the folders of the machine they were made on.)"""
+    portable = []
+    for word in map(str, words):
+        if word == sys.executable:
+            word = "python"
+        elif run_dir is not None and word.startswith(str(run_dir)):
+            word = "RUN_DIR" + word[len(str(run_dir)):]
+        elif os.path.isabs(word):
+            word = os.path.relpath(word, repo)
+        portable.append(word)
+    return shlex.join(portable)
 
 
 def machine_facts() -> dict:

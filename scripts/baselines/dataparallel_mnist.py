@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
-from utils.benchmarking import autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
+from utils.benchmarking import AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
@@ -39,20 +39,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     reject_flags_the_baselines_lack(parser, args)
     return args
-
-
-class AutocastInForward(nn.Module):
-    """autocast is thread-local, and DataParallel runs each replica in a thread of its own,
-    passing on only whether autocast is on, not its dtype (a bf16 run would compute in fp16).
-    PyTorch's AMP notes for DataParallel: enter autocast inside forward."""
-
-    def __init__(self, module: nn.Module, amp_dtype):
-        super().__init__()
-        self.module, self.amp_dtype = module, amp_dtype
-
-    def forward(self, x):
-        with torch.autocast("cuda", dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
-            return self.module(x)
 
 
 def evaluate(model, dataloader, device):
@@ -101,6 +87,7 @@ def main(args):
         optimizer, max_lr=args.learning_rate, total_steps=max_steps, pct_start=0.15
     )
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    step_watch = OptimizerStepWatch(optimizer)  # no host sync to learn whether it stepped
 
     create_output_dir(output_dir)
 
@@ -118,10 +105,9 @@ def main(args):
             logits = model(images)  # scatter, replicate, parallel forward, gather onto GPU 0
             loss = F.cross_entropy(logits.float(), labels)
             scaler.scale(loss).backward()
-            scale_before = scaler.get_scale()
             scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             scaler.update()
-            if scaler.get_scale() >= scale_before:  # the scale only drops after a skipped step
+            if step_watch.take():  # GradScaler did not skip the step
                 lr_scheduler.step()
             optimizer.zero_grad()
             loss_sum += loss.detach().double() * len(labels)

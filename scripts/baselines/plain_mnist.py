@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
-from utils.benchmarking import autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
+from utils.benchmarking import OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
@@ -74,6 +74,7 @@ def main(args):
     )
     # Scales fp16 losses so that small gradients do not flush to zero; a no-op otherwise.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    step_watch = OptimizerStepWatch(optimizer)  # no host sync to learn whether it stepped
 
     create_output_dir(output_dir)
 
@@ -92,10 +93,9 @@ def main(args):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)
             scaler.scale(loss).backward()
-            scale_before = scaler.get_scale()
             scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             scaler.update()
-            if scaler.get_scale() >= scale_before:  # the scale only drops after a skipped step
+            if step_watch.take():  # GradScaler did not skip the step
                 lr_scheduler.step()
             optimizer.zero_grad()
             loss_sum += loss.detach().double() * len(labels)
