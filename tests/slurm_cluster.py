@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import skip_or_fail_in_ci
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("node1", "node2")
@@ -24,9 +25,9 @@ GPUS_PER_NODE = 4
 
 
 def skip_with_reason(reason: str):
-    """Skip, and say why in pytest's warnings summary too (shown even without -rs)."""
+    """Skip, and say why in pytest's warnings summary too (shown even without -rs); in CI, fail."""
     warnings.warn(f"SLURM tests skipped: {reason}", stacklevel=2)
-    pytest.skip(reason)
+    skip_or_fail_in_ci(f"SLURM: {reason}")
 
 
 def free_ports(count: int) -> list:
