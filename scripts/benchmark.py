@@ -31,7 +31,6 @@ import csv
 import json
 import os
 import random
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.benchmarking import machine_facts, portable_command, summarize  # noqa: E402
+from utils.benchmarking import machine_facts, portable_command, portable_path, summarize  # noqa: E402
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, positive_int  # noqa: E402
@@ -63,7 +62,8 @@ BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
 CSV_COLUMNS = (
     "model", "data_path", "method", "precision", "num_processes", "status", "reason", "runs",
     "samples_per_second", "samples_per_second_min", "samples_per_second_max", "time_per_epoch_s",
-    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max", "ratio_to_ddp_best", "command",
+    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max",
+    "ratio_to_ddp_best", "command",
 )
 # --quick: small enough for CI on 2 CPU cores, large enough for steady state after warm-up.
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
@@ -86,29 +86,34 @@ def process_counts(text):
     try:
         return [positive_int(v) for v in text.split(",")]
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of positive integers; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers; got {text!r}") from None
 
 
 def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = parser.add_argument_group("what to run")
     what.add_argument("--methods", type=comma_list(METHODS), default=list(METHODS), help=",".join(METHODS))
-    what.add_argument("--precisions", type=comma_list(tuple(PRECISIONS)), default=list(PRECISIONS), help="fp32,fp16,bf16")
+    what.add_argument("--precisions", type=comma_list(tuple(PRECISIONS)), default=list(PRECISIONS),
+                      help="fp32,fp16,bf16")
     what.add_argument("--num_processes", type=process_counts, default=[1, 2],
                       help="processes per run (GPUs for DataParallel, which drives them from one process)")
     what.add_argument("--models", type=comma_list(MODELS), default=["mnist"],
                       help="mnist: the ConvNet on MNIST; resnet18/resnet50: synthetic 1000-class images")
     what.add_argument("--data_paths", type=comma_list(DATA_PATHS), default=list(DATA_PATHS),
                       help="dataloader: DataLoader + sampler; device: the whole set as one tensor on the device")
-    what.add_argument("--repeats", type=positive_int, default=None, help=f"rounds over all combinations (default {FULL['repeats']}; --quick {QUICK['repeats']})")
-    what.add_argument("--quick", action="store_true", help="tiny runs for CI: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    what.add_argument("--repeats", type=positive_int, default=None,
+                      help=f"rounds over all combinations (default {FULL['repeats']}; --quick {QUICK['repeats']})")
+    what.add_argument("--quick", action="store_true",
+                      help="tiny runs for CI: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     what.add_argument("--cpu", action="store_true", help="CPU processes even if GPUs are present")
 
     train = parser.add_argument_group("training (the same for every run)")
     train.add_argument("--data_dir", default=None, help="MNIST IDX files; default: ylecun/mnist from the Hub")
     for name in ("epochs", "batch_size", "max_train_samples", "max_eval_samples", "image_size", "synthetic_samples"):
         train.add_argument(f"--{name}", type=positive_int, default=None,
-                           help=f"default {FULL[name]}; --quick {QUICK[name]}" + (" (per process)" if name == "batch_size" else ""))
+                           help=f"default {FULL[name]}; --quick {QUICK[name]}"
+                           + (" (per process)" if name == "batch_size" else ""))
     train.add_argument("--seed", type=int, default=42)
     train.add_argument("--channels_last", action="store_true", help="ResNets: NHWC memory format")
     train.add_argument("--compile", action="store_true", help="ResNets and the fast path: torch.compile")
@@ -117,7 +122,8 @@ def parse_args(argv=None):
     out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, benchmark.json, *.png")
     out.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take")
     out.add_argument("--rewrite_from", default=None, metavar="BENCHMARK_JSON",
-                     help="run nothing: rebuild the table, CSV and plots in --output_dir from the runs in a benchmark.json")
+                     help="run nothing: rebuild the table, CSV and plots in --output_dir from the runs in a "
+                          "benchmark.json")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -139,6 +145,11 @@ class Combination:
     def baseline(self):
         """Raw DDP in the same setting: the reference every ratio is taken against."""
         return Combination(self.model, self.data_path, "ddp", self.precision, self.num_processes)
+
+
+def combination_of(record: dict) -> Combination:
+    """The combination a row or run record (CSV, JSON) is about."""
+    return Combination(*(record[name] for name in ("model", "data_path", "method", "precision", "num_processes")))
 
 
 def skip_reason(combo, on_cpu: bool, num_gpus: int):
@@ -199,6 +210,7 @@ def command_for(combo, args, on_cpu: bool, output_dir: Path) -> list:
 
 
 def run_environment(combo, on_cpu: bool) -> dict:
+    """The environment of one run: the user's, with the same CPU threads or GPUs for every method."""
     env = dict(os.environ)
     if on_cpu:
         # Every method gets the same share of the cores (torchrun and accelerate launch
@@ -208,7 +220,7 @@ def run_environment(combo, on_cpu: bool) -> dict:
         # DataParallel drives every GPU it sees: show it the first N of the GPUs the user chose
         # (CUDA_VISIBLE_DEVICES, as every other method respects it), not of the machine's.
         visible = env.get("CUDA_VISIBLE_DEVICES")
-        chosen = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        chosen = visible.split(",") if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen[:combo.num_processes])
     return env
 
@@ -267,7 +279,8 @@ def summarize_combination(combo, runs_by_round, skipped_reason):
     row["status"] = "ok" if len(ok) == len(mine) else "partly failed"
     row["reason"] = "" if len(ok) == len(mine) else next(r["reason"] for r in mine if r["status"] != "ok")
     speed = summarize(r["samples_per_second"] for r in ok)
-    row.update(samples_per_second=speed["median"], samples_per_second_min=speed["min"], samples_per_second_max=speed["max"])
+    row.update(samples_per_second=speed["median"], samples_per_second_min=speed["min"],
+               samples_per_second_max=speed["max"])
     row["time_per_epoch_s"] = summarize(r["time_per_epoch_s"] for r in ok)["median"]
     row["peak_memory_mb"] = max(r["peak_memory_mb"] for r in ok)
     row["eval_accuracy"] = summarize(r["eval_accuracy"] for r in ok)["median"]
@@ -309,18 +322,19 @@ def write_markdown(path, rows):
     for r in rows:
         if r["samples_per_second"] is None:
             continue
-        ratio = f"{fmt(r['ratio_to_ddp'], '.3f')} ({fmt(r['ratio_to_ddp_min'], '.2f')}-{fmt(r['ratio_to_ddp_max'], '.2f')})"
+        ratio = (f"{fmt(r['ratio_to_ddp'], '.3f')} "
+                 f"({fmt(r['ratio_to_ddp_min'], '.2f')}-{fmt(r['ratio_to_ddp_max'], '.2f')})")
         lines.append(
             f"| {r['model']} | {r['data_path']} | {r['method']} | {r['precision']} | {r['num_processes']} "
             f"| {r['samples_per_second']:.0f} ({r['samples_per_second_min']:.0f}-{r['samples_per_second_max']:.0f}) "
-            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} | {fmt(r['eval_accuracy'], '.4f')} | {ratio} "
+            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} "
+            f"| {fmt(r['eval_accuracy'], '.4f')} | {ratio} "
             f"| {fmt(r['ratio_to_ddp_best'], '.3f')} |"
         )
     not_measured = [r for r in rows if r["samples_per_second"] is None]
     if not_measured:
         lines += ["", "Not measured:", ""]
-        lines += [f"- {Combination(*(r[k] for k in ('model', 'data_path', 'method', 'precision', 'num_processes'))).label()}: "
-                  f"{r['status']}, {r['reason']}" for r in not_measured]
+        lines += [f"- {combination_of(r).label()}: {r['status']}, {r['reason']}" for r in not_measured]
     Path(path).write_text("\n".join(lines) + "\n")
 
 
@@ -392,7 +406,7 @@ def print_table(rows):
     for r in rows:
         def fmt(value, spec):
             return format(value, spec) if value is not None else "-"
-        label = Combination(*(r[k] for k in ("model", "data_path", "method", "precision", "num_processes"))).label()
+        label = combination_of(r).label()
         print(f"{label:<40} {r['status']:<8} {fmt(r.get('samples_per_second'), '10.0f')} "
               f"{fmt(r.get('time_per_epoch_s'), '8.2f')} {fmt(r.get('peak_memory_mb'), '7.0f')} "
               f"{fmt(r.get('eval_accuracy'), '7.4f')} {fmt(r.get('ratio_to_ddp'), '6.3f')}"
@@ -403,14 +417,14 @@ def rewrite(args):
     """The outputs again from the runs recorded in a benchmark.json (e.g. after a change to the plots)."""
     try:
         report = json.loads(Path(args.rewrite_from).read_text())
-        keys = ("model", "data_path", "method", "precision", "num_processes")
-        combinations = [Combination(*(row[k] for k in keys)) for row in report["rows"]]
-        skipped = {c: row["reason"] if row["status"] == "skipped" else None for c, row in zip(combinations, report["rows"])}
+        combinations = [combination_of(row) for row in report["rows"]]
+        skipped = {combination_of(row): row["reason"] if row["status"] == "skipped" else None for row in report["rows"]}
         runs_by_round = [{} for _ in range(1 + max((run["round"] for run in report["runs"]), default=-1))]
         for run in report["runs"]:
-            runs_by_round[run["round"]][Combination(*(run[k] for k in keys))] = run
+            runs_by_round[run["round"]][combination_of(run)] = run
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"--rewrite_from {args.rewrite_from}: not a benchmark.json written by this script ({type(err).__name__})") from None
+        raise UserError(f"--rewrite_from {args.rewrite_from}: not a benchmark.json written by this script "
+                        f"({type(err).__name__})") from None
     rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
     output_dir = Path(args.output_dir)
     create_output_dir(output_dir)
@@ -425,9 +439,14 @@ def main(args):
     if args.rewrite_from is not None:
         return rewrite(args)
     load_before = os.getloadavg()[0]  # a busy machine makes every number smaller: recorded with them
+    # Absolute: every run starts in the repository root (cwd=REPO), wherever this was started from;
+    # benchmark.json records them relative to the repository.
+    args.output_dir = os.path.abspath(args.output_dir)
+    if args.data_dir is not None:
+        args.data_dir = os.path.abspath(args.data_dir)
+    output_dir = Path(args.output_dir)
     on_cpu = args.cpu or not torch.cuda.is_available()
     num_gpus = 0 if on_cpu else torch.cuda.device_count()
-    output_dir = Path(args.output_dir)
     if "mnist" in args.models:
         load_mnist(args.data_dir)  # fails here, once, with the fix, if the data is missing; warms the Hub cache
     create_output_dir(output_dir)
@@ -458,12 +477,11 @@ def main(args):
     write_csv(output_dir / "benchmark.csv", rows)
     write_markdown(output_dir / "benchmark.md", rows)
     write_json_atomically(output_dir / "benchmark.json", {
-        "command": portable_command(["python", *sys.argv], REPO),
+        "command": portable_command(["python", *sys.argv], REPO),  # as typed, in the folder it was started in
         "machine": {**machine_facts(), "load_average_1min_before": load_before},
         "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
         "threads_per_process": "cores / processes (OMP_NUM_THREADS)" if on_cpu else None,
-        "settings": {k: portable_command([v], REPO) if isinstance(v, (str, Path)) and os.path.isabs(v) else v
-                     for k, v in vars(args).items()},
+        "settings": {k: portable_path(v, REPO) if isinstance(v, str) else v for k, v in vars(args).items()},
         "rows": rows,
         "runs": [run for runs in runs_by_round for run in runs.values()],
     })
@@ -472,7 +490,7 @@ def main(args):
     print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, benchmark.md, throughput.png, scaling.png")
     failed = [r for r in rows if r["status"] in ("failed", "partly failed")]
     if failed:
-        raise UserError(f"{len(failed)} combination(s) failed (first: {Combination(*(failed[0][k] for k in ('model', 'data_path', 'method', 'precision', 'num_processes'))).label()}: "
+        raise UserError(f"{len(failed)} combination(s) failed (first: {combination_of(failed[0]).label()}: "
                         f"{failed[0]['reason']}); the reasons are in {output_dir / 'benchmark.csv'}")
 
 

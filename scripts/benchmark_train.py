@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -30,7 +31,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.benchmarking import AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack, synthetic_images  # noqa: E402
+from utils.benchmarking import (  # noqa: E402
+    AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack, synthetic_images,
+)
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_parser, positive_int  # noqa: E402
@@ -45,15 +48,18 @@ def parse_args(argv=None):
     parser = build_parser(__doc__.splitlines()[0], epochs=1, batch_size=64, learning_rate=3e-3)
     bench = parser.add_argument_group("benchmark")
     bench.add_argument("--method", choices=METHODS, required=True,
-                       help="plain: one process; ddp: torchrun + DDP; dataparallel: nn.DataParallel; accelerate: accelerate launch")
+                       help="plain: one process; ddp: torchrun + DDP; dataparallel: nn.DataParallel; "
+                            "accelerate: accelerate launch")
     bench.add_argument("--model", choices=("convnet", "resnet18", "resnet50"), default="convnet",
                        help="convnet: the MNIST ConvNet on MNIST; resnets: synthetic 1000-class images")
     bench.add_argument("--data_dir", default=None, help="MNIST IDX files for --model convnet; default: ylecun/mnist")
     bench.add_argument("--image_size", type=positive_int, default=224, help="synthetic image side (resnets)")
-    bench.add_argument("--synthetic_samples", type=positive_int, default=2560, help="synthetic training images (resnets)")
+    bench.add_argument("--synthetic_samples", type=positive_int, default=2560,
+                       help="synthetic training images (resnets)")
     bench.add_argument("--data_on_device", action="store_true",
                        help="fast path: the training set as one tensor on the device, sharded by index; no DataLoader")
-    bench.add_argument("--channels_last", action="store_true", help="NHWC memory format (faster convolutions on tensor cores)")
+    bench.add_argument("--channels_last", action="store_true",
+                       help="NHWC memory format (faster convolutions on tensor cores)")
     bench.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args(argv)
     reject_flags_the_baselines_lack(parser, args)
@@ -73,13 +79,14 @@ def main(args):
         device, rank, world_size = accelerator.device, accelerator.process_index, accelerator.num_processes
     elif args.method == "ddp":
         if "LOCAL_RANK" not in os.environ:
-            raise UserError("--method ddp: start this script with `torchrun --nproc_per_node N scripts/benchmark_train.py ...`")
+            raise UserError(
+                "--method ddp: start this script with `torchrun --nproc_per_node N scripts/benchmark_train.py ...`")
         local_rank, rank, world_size = (int(os.environ[k]) for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
         use_cuda = torch.cuda.is_available() and not args.cpu
         device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.ddp_timeout))
     else:  # plain and dataparallel: one process
         rank, world_size = 0, 1
         device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -91,9 +98,10 @@ def main(args):
     if rank != 0:
         logger.setLevel(logging.WARNING)  # log once, not once per process
     torch.manual_seed(args.seed)
-    # DataParallel splits each batch over the GPUs: num_gpus x --batch_size, so each GPU
-    # computes what one DDP process computes.
-    batch_size = args.batch_size * (torch.cuda.device_count() if args.method == "dataparallel" else 1)
+    # DataParallel drives every visible GPU from this one process and splits each batch over them:
+    # num_gpus x --batch_size, so each GPU computes what one DDP process computes.
+    num_gpus = torch.cuda.device_count() if args.method == "dataparallel" else None
+    batch_size = args.batch_size * (num_gpus or 1)
 
     # Data
     if args.model == "convnet":
@@ -120,7 +128,8 @@ def main(args):
     else:
         pin_memory = device.type == "cuda"
         if args.method == "ddp":
-            sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+            sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                         seed=args.seed)
             train_dataloader = DataLoader(train_dataset, batch_size=batch_size, sampler=sampler, pin_memory=pin_memory)
         else:
             train_dataloader = DataLoader(train_dataset, batch_size=batch_size, shuffle=True, pin_memory=pin_memory)
@@ -134,13 +143,13 @@ def main(args):
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=args.learning_rate, total_steps=steps_per_epoch * args.epochs, pct_start=0.15
     )
-    scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and accelerator is None)
-    step_watch = OptimizerStepWatch(optimizer)  # no host sync to learn whether it stepped
     if accelerator is not None:
         # [accelerate] DDP when several processes, autocast in forward, GradScaler for fp16
         model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
         autocast = contextlib.nullcontext  # the prepared model autocasts its own forward
     else:
+        scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        step_watch = OptimizerStepWatch(optimizer)  # whether GradScaler stepped, without a host sync
         if args.method == "ddp":
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         elif args.method == "dataparallel":
@@ -176,7 +185,7 @@ def main(args):
             labels = labels.to(device, non_blocking=True)
             with autocast():
                 logits = model(images)
-                loss = F.cross_entropy(logits.float(), labels)  # DataParallel gathers fp16 logits outside autocast
+                loss = F.cross_entropy(logits.float(), labels)  # DataParallel gathers half-precision logits
             if accelerator is not None:
                 accelerator.backward(loss)  # [accelerate] scales fp16 losses
                 optimizer.step()
@@ -203,7 +212,10 @@ def main(args):
         logger.info(f"eval_accuracy {results['eval_accuracy']:.4f} ({results['eval_samples']} samples)")
 
     # One row per process: the throughput is the sum over processes, the time that of the slowest.
-    row = torch.tensor([[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device)]],
+    # DataParallel's memory: that of its fullest GPU (GPU 0, which gathers the outputs, as a rule).
+    devices = [torch.device("cuda", i) for i in range(num_gpus)] if num_gpus else [device]
+    peak_mb = max(peak_memory_mb(d) for d in devices)
+    row = torch.tensor([[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_mb]],
                        dtype=torch.float64, device=device)
     if distributed:
         rows = [torch.zeros_like(row) for _ in range(world_size)]
@@ -221,8 +233,7 @@ def main(args):
             "peak_memory_mb": per_process[:, 3].max().item(),
             "peak_memory_mb_per_process": per_process[:, 3].tolist(),
             "num_processes": world_size,
-            # DataParallel drives every visible GPU from one process
-            "num_gpus": torch.cuda.device_count() if args.method == "dataparallel" else None,
+            "num_gpus": num_gpus,  # DataParallel's; benchmark.py checks them against the GPUs asked for
             "mixed_precision": args.mixed_precision or "no",
             "epochs": args.epochs,
             "batch_size_per_process": args.batch_size,

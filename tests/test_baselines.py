@@ -38,7 +38,8 @@ def evaluate_saved_model(output_dir, max_eval_samples=None):
 @requires_mnist_10k
 def test_plain_reaches_98_percent_like_train_mnist(tmp_path):
     # One thread, as accelerate launch gives the Accelerate script (and quicker on a busy CI machine).
-    run([sys.executable, PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", tmp_path], env={"OMP_NUM_THREADS": "1"})
+    run([sys.executable, PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", tmp_path],
+        env={"OMP_NUM_THREADS": "1"})
     r = results(tmp_path)
     assert r["method"] == "plain" and r["num_processes"] == 1 and r["mixed_precision"] == "no"
     assert r["eval_accuracy"] >= 0.98

@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import torch
 from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args, make_synthetic_mnist, run
 
 sys.path.insert(0, str(TRAIN_MNIST.parent))
@@ -119,6 +120,19 @@ def test_multi_process_launch_without_cpu_flag_is_caught(data, tmp_path):
     assert_clean_user_error(proc, "did not form one group", "--cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
+def test_more_processes_than_gpus_is_caught(data, tmp_path):
+    """One process per GPU: a launch of one process more than the visible GPUs ends in one line from
+    utils/launch_checks.py check_enough_devices, not in CUDA's "invalid device ordinal"."""
+    gpus = torch.cuda.device_count()
+    proc = run([*launcher_args(gpus + 1), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path / "out"],
+               check=False)
+    assert_clean_user_error(proc, f"{gpus + 1} processes on this machine but only {gpus} GPU(s) visible",
+                            f"--num_processes {gpus}")
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
 def test_errors_through_the_launcher_with_two_processes(tmp_path):
     proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", tmp_path / "out"], num_processes=2, check=False)
     assert_clean_user_error(proc, "--data_dir", "no such directory")
@@ -128,7 +142,8 @@ def test_errors_through_the_launcher_with_two_processes(tmp_path):
     ("distributed_type: MULTI_GPU\nnum_processes: [2\n", ["not valid YAML", "line 3"]),
     ("distributed_type: MULTI_GPU\nnum_processs: 2\n", ["not an accelerate config", "num_processs"]),
     ("distributed_type: MULTI_GPUS\nnum_processes: 2\n", ["not an accelerate config", "MULTI_GPUS"]),
-    ("distributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n", ["MULTI_CPU without mpirun starts one process"]),
+    ("distributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 1\n",
+     ["MULTI_CPU without mpirun starts one process"]),
     ("distributed_type: 'NO'\nnum_processes: 2\n", ["'NO' starts one process, not 2"]),
     ("distributed_type: MULTI_GPU\nnum_processes: 3\nnum_machines: 2\nmachine_rank: 2\n",
      ["a multiple of num_machines (2)", "machine_rank (2) must be between 0 and num_machines - 1"]),

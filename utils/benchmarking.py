@@ -23,6 +23,7 @@ FLAGS_THE_BASELINES_LACK = {
     "save_on_signal": False,
     "eval_only": False,
     "with_tracking": False,
+    "deterministic": False,
 }
 
 
@@ -86,18 +87,23 @@ def synthetic_images(num_samples: int, image_size: int, num_classes: int = 1000,
     return TensorDataset(images, labels)
 
 
+def portable_path(path, repo) -> str:
+    """An absolute path as seen from the repository root (published records must not name the
+    folders of the machine they were made on); a relative one as it is."""
+    return os.path.relpath(path, repo) if os.path.isabs(path) else str(path)
+
+
 def portable_command(words, repo, run_dir=None) -> str:
     """A command as a reader runs it from the repository root: `python` for this interpreter,
-    paths relative to the repository, the run's temporary folder as RUN_DIR. (Published records
-    must not name the folders of the machine they were made on.)"""
+    absolute paths relative to the repository, the run's temporary folder as RUN_DIR."""
     portable = []
     for word in map(str, words):
         if word == sys.executable:
             word = "python"
-        elif run_dir is not None and word.startswith(str(run_dir)):
+        elif run_dir is not None and (word == str(run_dir) or word.startswith(f"{run_dir}{os.sep}")):
             word = "RUN_DIR" + word[len(str(run_dir)):]
-        elif os.path.isabs(word):
-            word = os.path.relpath(word, repo)
+        else:
+            word = portable_path(word, repo)
         portable.append(word)
     return shlex.join(portable)
 

@@ -24,7 +24,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
-from utils.benchmarking import AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack  # noqa: E402
+from utils.benchmarking import (  # noqa: E402
+    AutocastInForward, OptimizerStepWatch, autocast_dtype, reject_flags_the_baselines_lack,
+)
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
@@ -60,7 +62,8 @@ def main(args):
     num_gpus = torch.cuda.device_count()
     if args.cpu or num_gpus < 2:
         raise UserError(
-            f"nn.DataParallel needs 2 or more CUDA GPUs (this machine has {num_gpus}{', and --cpu was given' if args.cpu else ''}); "
+            f"nn.DataParallel needs 2 or more CUDA GPUs (this machine has {num_gpus}"
+            f"{', and --cpu was given' if args.cpu else ''}); "
             f"on one GPU or the CPU run scripts/baselines/plain_mnist.py, on several prefer scripts/train_mnist.py"
         )
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)

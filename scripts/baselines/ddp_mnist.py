@@ -14,6 +14,7 @@ is torch's native AMP (autocast, plus a GradScaler for fp16), which replaced NVI
 import logging
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,7 +32,9 @@ from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.results import (  # noqa: E402
+    ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,8 @@ def main(args):
     else:
         device = torch.device("cpu")
     amp_dtype = autocast_dtype(args.mixed_precision, device)  # None: fp32
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")  # MASTER_ADDR/PORT etc. come from torchrun
+    # MASTER_ADDR/PORT etc. come from torchrun; the timeout bounds how long a collective waits for a stuck process
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.ddp_timeout))
     logging.basicConfig(format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s", level=logging.INFO)
     if rank != 0:
         logger.setLevel(logging.WARNING)  # log once, not once per process
@@ -111,7 +115,8 @@ def main(args):
     # Each process gets every world_size-th sample of a shuffle that all processes agree on
     # (same seed); the sampler repeats a few samples so that all shards are equally long.
     train_sampler = DistributedSampler(train_dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
-    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler, pin_memory=pin_memory)
+    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, sampler=train_sampler,
+                                  pin_memory=pin_memory)
     # For evaluation that padding would count some samples twice, so each process takes the
     # same strided shard as DistributedSampler, without the padding (pytorch/examples
     # imagenet handles the same tail with a second loader).

@@ -24,7 +24,9 @@ from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.results import ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically  # noqa: E402
+from utils.results import (  # noqa: E402
+    ThroughputMeter, create_output_dir, fingerprint, peak_memory_mb, write_json_atomically,
+)
 
 logger = logging.getLogger(__name__)
 
