@@ -12,6 +12,7 @@ config decides. Lines marked `# [accelerate]` are what differs from a plain PyTo
 import logging
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from accelerate.utils import (  # [accelerate]
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
+    InitProcessGroupKwargs,
     set_seed,
 )
 from torch.utils.data import DataLoader
@@ -40,6 +42,7 @@ from utils.checkpoints import (  # noqa: E402
 from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, positive_int, tracker_config  # noqa: E402
+from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
@@ -142,7 +145,6 @@ def main(args):
     check_enough_devices(args.cpu)
     if args.deterministic:
         make_deterministic()
-    # Where to continue, read before anything is built: resuming may change the accumulation steps.
     checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
     progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
 
@@ -159,7 +161,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         # We step the scheduler once per optimizer step (by default Accelerate steps it once per process).
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[ddp_kwargs],
+        kwargs_handlers=[ddp_kwargs, InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],
         dynamo_backend="inductor" if args.compile else None,  # None: as the launch config says
         log_with="tensorboard" if args.with_tracking else None, project_dir=args.output_dir,
     )
@@ -168,8 +170,7 @@ def main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
-    # [accelerate] on resume, sets the gradient accumulation that keeps the checkpoint's global batch
-    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)
+    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)  # [accelerate]
 
     if args.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop it on the CPU")
@@ -246,67 +247,68 @@ def main(args):
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
-        model.train()
-        train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
-        train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
-        skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # mid-epoch resume
-        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader  # [accelerate]
-        meter.start()
-        for images, labels in batches:
-            if progress.global_step == (epoch + 1) * steps_per_epoch:  # whole global batches only, see above
-                break
-            if args.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
-            with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
-                try:
-                    logits = model(images)
-                except RuntimeError as err:
-                    if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
-                        unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
-                        raise UserError(
-                            f"DDP stopped: the loss does not depend on these parameters: "
-                            f"{', '.join(unused) or '(none found in one pass)'}; "
-                            f"pass --find_unused_parameters (slower), or remove them from the model"
-                        ) from None
-                    raise
-                loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
-                accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()
-                optimizer.zero_grad()
-            # shared: after each batch
-            running_loss.add(loss, len(labels), step=progress.global_step + 1)
-            meter.batch_done(len(labels))
-            if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
-                progress.global_step += 1
-                progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16 overflow
-                progress_bar.update(1)
-                # [accelerate] set_trigger/check_trigger: all processes stop after the same step
-                stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                every = args.checkpointing_steps
-                if stopping or (isinstance(every, int) and progress.global_step % every == 0):
-                    meter.pause()
-                    gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-                    saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                            args.checkpoints_total_limit)
-                    meter.start()
-                if stopping:
+    with collective_timeouts_named(args, progress):  # --ddp_timeout: one line instead of a hang
+        for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
+            model.train()
+            train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
+            train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] mid-epoch
+            batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+            meter.start()
+            for images, labels in batches:
+                if progress.global_step == (epoch + 1) * steps_per_epoch:  # whole global batches only, see above
                     break
-        meter.pause()
-        if stopping:
-            break
+                if args.channels_last:
+                    images = images.contiguous(memory_format=torch.channels_last)
+                with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
+                    try:
+                        logits = model(images)
+                    except RuntimeError as err:
+                        if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
+                            unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
+                            raise UserError(
+                                f"DDP stopped: the loss does not depend on these parameters: "
+                                f"{', '.join(unused) or '(none found in one pass)'}; "
+                                f"pass --find_unused_parameters (slower), or remove them from the model"
+                            ) from None
+                        raise
+                    loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+                    accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
+                    optimizer.step()  # skipped on accumulation steps and on fp16 overflow
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()
+                    optimizer.zero_grad()
+                # shared: after each batch
+                running_loss.add(loss, len(labels), step=progress.global_step + 1)
+                meter.batch_done(len(labels))
+                if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
+                    progress.global_step += 1
+                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
+                    progress_bar.update(1)
+                    # [accelerate] set_trigger/check_trigger: all processes stop after the same step
+                    stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
+                    every = args.checkpointing_steps
+                    if stopping or (isinstance(every, int) and progress.global_step % every == 0):
+                        meter.pause()
+                        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
+                        saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
+                                                args.checkpoints_total_limit)
+                        meter.start()
+                    if stopping:
+                        break
+            meter.pause()
+            if stopping:
+                break
 
-        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-        results.update(train_loss=progress.end_epoch(), **evaluate(accelerator, model, eval_dataloader, metric,
-                                                                   args.channels_last))
-        logger.info(f"epoch {epoch}: {results}")
-        if args.with_tracking:  # [accelerate]
-            accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
-                            step=progress.global_step)
-        if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
+            gather_running_loss(accelerator, running_loss, progress, args.output_dir)
+            results.update(train_loss=progress.end_epoch(), **evaluate(accelerator, model, eval_dataloader, metric,
+                                                                       args.channels_last))
+            logger.info(f"epoch {epoch}: {results}")
+            if args.with_tracking:  # [accelerate]
+                accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
+                                step=progress.global_step)
+            if args.checkpointing_steps == "epoch":
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
     progress_bar.close()
 
     results.update({

@@ -15,13 +15,14 @@ in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).
 import logging
 import math
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.logging import get_logger  # [accelerate]
-from accelerate.utils import DataLoaderConfiguration, set_seed  # [accelerate]
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed  # [accelerate]
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -38,6 +39,7 @@ from utils.checkpoints import (  # noqa: E402
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_mnist_parser, check_flag_combinations, tracker_config  # noqa: E402
+from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
@@ -82,7 +84,6 @@ def main(args):
     check_enough_devices(args.cpu)
     if args.deterministic:
         make_deterministic()
-    # Where to continue, read before anything is built: resuming may change the accumulation steps.
     checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
     progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
 
@@ -94,6 +95,7 @@ def main(args):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         # We step the scheduler once per optimizer step (by default Accelerate steps it once per process).
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],  # --ddp_timeout
         log_with="tensorboard" if args.with_tracking else None, project_dir=args.output_dir,
     )
     # shared: after the Accelerator
@@ -101,8 +103,7 @@ def main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
-    # [accelerate] on resume, sets the gradient accumulation that keeps the checkpoint's global batch
-    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)
+    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)  # [accelerate]
 
     with accelerator.main_process_first():  # [accelerate] the main process downloads, then the others read its cache
         splits = load_mnist(args.data_dir)
@@ -136,50 +137,51 @@ def main(args):
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
-        model.train()
-        train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
-        skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # mid-epoch resume
-        batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader  # [accelerate]
-        meter.start()
-        for images, labels in batches:
-            with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)
-                accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
-                    lr_scheduler.step()
-                optimizer.zero_grad()
-            # shared: after each batch
-            running_loss.add(loss, len(labels), step=progress.global_step + 1)
-            meter.batch_done(len(labels))
-            if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
-                progress.global_step += 1
-                progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16 overflow
-                progress_bar.update(1)
-                # [accelerate] set_trigger/check_trigger: all processes stop after the same step
-                stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                every = args.checkpointing_steps
-                if stopping or (isinstance(every, int) and progress.global_step % every == 0):
-                    meter.pause()
-                    gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-                    saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                            args.checkpoints_total_limit)
-                    meter.start()
-                if stopping:
-                    break
-        meter.pause()
-        if stopping:
-            break
+    with collective_timeouts_named(args, progress):  # --ddp_timeout: one line instead of a hang
+        for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
+            model.train()
+            train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] mid-epoch
+            batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+            meter.start()
+            for images, labels in batches:
+                with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
+                    logits = model(images)
+                    loss = F.cross_entropy(logits, labels)
+                    accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
+                    optimizer.step()  # skipped on accumulation steps and on fp16 overflow
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                        lr_scheduler.step()
+                    optimizer.zero_grad()
+                # shared: after each batch
+                running_loss.add(loss, len(labels), step=progress.global_step + 1)
+                meter.batch_done(len(labels))
+                if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
+                    progress.global_step += 1
+                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
+                    progress_bar.update(1)
+                    # [accelerate] set_trigger/check_trigger: all processes stop after the same step
+                    stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
+                    every = args.checkpointing_steps
+                    if stopping or (isinstance(every, int) and progress.global_step % every == 0):
+                        meter.pause()
+                        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
+                        saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
+                                                args.checkpoints_total_limit)
+                        meter.start()
+                    if stopping:
+                        break
+            meter.pause()
+            if stopping:
+                break
 
-        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-        results.update(train_loss=progress.end_epoch(), **evaluate(accelerator, model, eval_dataloader, metric))
-        logger.info(f"epoch {epoch}: {results}")
-        if args.with_tracking:
-            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate]
-        if args.checkpointing_steps == "epoch":
-            save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
+            gather_running_loss(accelerator, running_loss, progress, args.output_dir)
+            results.update(train_loss=progress.end_epoch(), **evaluate(accelerator, model, eval_dataloader, metric))
+            logger.info(f"epoch {epoch}: {results}")
+            if args.with_tracking:
+                accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate]
+            if args.checkpointing_steps == "epoch":
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
     progress_bar.close()
 
     if args.eval_only:

@@ -65,6 +65,10 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     )
     hardware.add_argument("--cpu", action="store_true", help="train on the CPU even if GPUs are present")
     hardware.add_argument(
+        "--ddp_timeout", type=positive_int, default=1800, metavar="SECONDS",
+        help="how long a collective waits for a process that stopped answering before the run ends (as in HF Trainer)",
+    )
+    hardware.add_argument(
         "--deterministic", action="store_true",
         help="GPU: deterministic cuDNN/cuBLAS kernels, so reruns and resumes repeat bit for bit (slower)",
     )
