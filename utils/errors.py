@@ -16,10 +16,11 @@ def exit_with_error(error, status: int = 1) -> None:
     # rank 0 only would lose the message when another rank fails first and the launcher
     # stops rank 0 before it gets there.
     message = " ".join(str(error).split())
-    # Under a launcher, another rank's progress bar may have left a line unfinished on the
-    # shared stderr: start on a fresh one. One write() keeps the line whole even when stderr
-    # is unbuffered (PYTHONUNBUFFERED), where print() would write text and newline apart.
-    fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    # A progress bar (ours, or another rank's under a launcher) may have left the line unfinished:
+    # start on a fresh one in a script that shows progress bars (tqdm imported) or runs several
+    # processes. One write() keeps the line whole even when stderr is unbuffered (PYTHONUNBUFFERED),
+    # where print() would write text and newline apart.
+    fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "tqdm" in sys.modules else ""
     sys.stderr.write(f"{fresh_line}error: {message}\n")
     sys.stderr.flush()
     sys.exit(status)
