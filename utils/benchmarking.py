@@ -49,7 +49,8 @@ def autocast_dtype(mixed_precision, device: torch.device):
 class OptimizerStepWatch:
     """Whether `optimizer.step()` ran since the last look. GradScaler skips the call when fp16
     gradients overflowed; a post-hook on the optimizer knows that without reading anything off the
-    GPU (the usual recipe, comparing `scaler.get_scale()` before and after, costs two host syncs a step)."""
+    GPU (the usual recipe, comparing `scaler.get_scale()` before and after, costs two host syncs a
+    step). Accelerate's `optimizer_step_was_skipped` works the same way, by wrapping `step`."""
 
     def __init__(self, optimizer):
         self.stepped = False
