@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A small ConvNet on MNIST with Accelerate, on any number of processes: the "after" of minimal_mnist_plain.py.
 
-    accelerate launch scripts/minimal_mnist.py --data_dir path/to/mnist
+    accelerate launch scripts/minimal_mnist.py --data_dir path/to/MNIST/raw
 
 `diff scripts/baselines/minimal_mnist_plain.py scripts/minimal_mnist.py` is the whole migration.
 """
@@ -9,10 +9,9 @@
 import argparse
 import gzip
 import json
-import struct
+import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
@@ -35,15 +34,18 @@ class ConvNet(nn.Module):
 
 
 def load_split(data_dir, prefix):
-    """One split from the gzipped IDX files (torchvision's reader takes uncompressed files only):
-    a big-endian header (the dimensions), then one byte per pixel or label."""
-    arrays = []
-    for name in (f"{prefix}-images-idx3-ubyte.gz", f"{prefix}-labels-idx1-ubyte.gz"):
-        data = gzip.decompress((Path(data_dir) / name).read_bytes())
-        shape = struct.unpack(f">{data[3]}I", data[4 : 4 + 4 * data[3]])
-        arrays.append(torch.from_numpy(np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape).copy()))
-    images, labels = arrays
-    return TensorDataset((images.unsqueeze(1).float() / 255 - 0.1307) / 0.3081, labels.long())
+    """One split of the gzipped MNIST IDX files: a 16-byte (images) or 8-byte (labels) header, then one byte
+    per pixel or label. Read by hand because torchvision's IDX reader takes uncompressed files only."""
+
+    def read(name, header_bytes):
+        path = Path(data_dir) / f"{prefix}-{name}-ubyte.gz"
+        if not path.is_file():  # the one likely mistake: one line, no traceback
+            sys.exit(f"error: no {path}: --data_dir must be a folder with the four gzipped MNIST IDX files")
+        data = gzip.decompress(path.read_bytes())
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8, offset=header_bytes)
+
+    images, labels = read("images-idx3", 16).view(-1, 1, 28, 28), read("labels-idx1", 8).long()
+    return TensorDataset((images.float() / 255 - 0.1307) / 0.3081, labels)  # MNIST's mean and std
 
 
 def parse_args(argv=None):
@@ -66,7 +68,7 @@ def main(args):
 
     train_dataloader = DataLoader(load_split(args.data_dir, "train"), batch_size=args.batch_size, shuffle=True)
     eval_dataloader = DataLoader(load_split(args.data_dir, "t10k"), batch_size=args.batch_size)
-    model = ConvNet()
+    model = ConvNet()  # [accelerate] no .to(device): prepare() places it
     optimizer = torch.optim.Adam(model.parameters(), lr=args.learning_rate)
     # [accelerate] DDP across processes, each dataloader sharded per process, batches moved to the device
     model, optimizer, train_dataloader, eval_dataloader = accelerator.prepare(
@@ -91,7 +93,7 @@ def main(args):
             predictions, labels = accelerator.gather_for_metrics((predictions, labels))
             correct += (predictions == labels).sum().item()
             total += len(labels)
-        accelerator.print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")
+        accelerator.print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")  # [accelerate] once
 
     accelerator.save_model(model, args.output_dir)  # [accelerate] the unwrapped weights, from the main process
     if accelerator.is_main_process:  # [accelerate]

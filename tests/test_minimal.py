@@ -1,16 +1,18 @@
 """The minimal pair: scripts/baselines/minimal_mnist_plain.py (plain PyTorch, one device) and
 scripts/minimal_mnist.py (Accelerate). Their diff is the migration; on one process they train
-the same model, bit for bit; on two, the evaluation still counts every sample once."""
+the same model, bit for bit; on two, the evaluation counts every sample once."""
 
-import json
+import importlib.util
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import MNIST_10K, REPO, launch, requires_mnist_10k, results, run
+from helpers import MNIST_10K, REPO, assert_clean_user_error, launch, requires_mnist_10k, results, run
 from safetensors.torch import load_file
+
+from utils.models import ConvNet as UtilsConvNet
 
 PLAIN = REPO / "scripts" / "baselines" / "minimal_mnist_plain.py"
 MINIMAL = REPO / "scripts" / "minimal_mnist.py"
@@ -19,37 +21,73 @@ MINIMAL = REPO / "scripts" / "minimal_mnist.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
+def load_script(path):
+    """The script as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def minimal_diff() -> str:
     return subprocess.run(["diff", "-U0", "--label", "scripts/baselines/minimal_mnist_plain.py", "--label",
                            "scripts/minimal_mnist.py", PLAIN, MINIMAL], capture_output=True, text=True).stdout
 
 
-def test_the_migration_is_at_most_40_changed_lines_and_the_readme_shows_it():
+def test_the_migration_is_at_most_40_marked_lines_and_the_readme_shows_it():
     diff = minimal_diff()
     changed = [line for line in diff.splitlines()[2:] if line[:1] in "+-" and not line.startswith("@@")]
     assert 20 <= len(changed) <= 40, len(changed)
-    assert not re.search(r"^(from|import) utils\b", MINIMAL.read_text(), flags=re.M), "the minimal script uses no utils/"
+    # Past the docstring, every hunk that adds code carries a marker: each Accelerate line is marked.
+    docstring_end = MINIMAL.read_text().splitlines().index('"""') + 1
+    hunks = re.findall(r"^@@ -\S+ \+(\d+)\S* @@\n((?:[-+].*\n)*)", diff, flags=re.M)
+    assert len(hunks) == diff.count("\n@@ ") > 5
+    for start, hunk in hunks:
+        added = [line for line in hunk.splitlines() if line.startswith("+")]
+        if added and int(start) > docstring_end:
+            assert any("# [accelerate]" in line for line in added), hunk
+    added_code = "\n".join(line for line in changed if line.startswith("+"))
+    for call in ("prepare", "accumulate", "backward", "gather_for_metrics", "save_model"):
+        assert f"accelerator.{call}(" in added_code, call
+    minimal = MINIMAL.read_text()
+    assert not re.search(r"^(from|import) utils\b", minimal, flags=re.M), "the minimal script uses no utils/"
+    assert not re.search(r"mixed_precision|autocast|GradScaler|\.half\(", minimal), "precision is the launcher's"
     readme = (REPO / "README.md").read_text()
     shown = re.search(r"```diff\n(.*?)```", readme, flags=re.S).group(1)
     assert shown == diff, "README's diff is stale: paste the output of the diff -U0 command it names"
 
 
+def test_both_scripts_hold_the_collections_convnet():
+    expected = repr(UtilsConvNet())
+    assert repr(load_script(PLAIN).ConvNet()) == repr(load_script(MINIMAL).ConvNet()) == expected
+
+
+def test_a_folder_without_the_data_ends_with_one_line(tmp_path):
+    proc = launch(["--data_dir", tmp_path, "--output_dir", tmp_path / "out"], script=MINIMAL, check=False)
+    assert_clean_user_error(proc, "train-images-idx3-ubyte.gz", "--data_dir")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
-def one_epoch(tmp_path_factory):
-    """Both scripts, one epoch on the 8,000 real training digits, on one CPU process."""
+def one_process(tmp_path_factory):
+    """Both scripts, one epoch on the 8,000 real training digits, on one CPU process. Accumulating
+    over 2 of the 125 batches ends the epoch with a window of one batch, where hand-written loops go wrong.
+    On one process accelerate leaves the DataLoader's RandomSampler as it is, so both shuffle with the
+    same seed drawn from torch's global generator (use_seedable_sampler=True would shuffle otherwise)."""
     out = tmp_path_factory.mktemp("minimal")
-    common = ["--data_dir", MNIST_10K, "--epochs", "1", "--cpu"]
+    common = ["--data_dir", MNIST_10K, "--epochs", "1", "--gradient_accumulation_steps", "2", "--cpu"]
     run([sys.executable, PLAIN, *common, "--output_dir", out / "plain"], env=ONE_THREAD)
     launch([*common, "--output_dir", out / "accelerate"], script=MINIMAL, env=ONE_THREAD)
     return out
 
 
 @requires_mnist_10k
-def test_one_process_trains_exactly_the_plain_model(one_epoch):
-    plain, accelerated = results(one_epoch / "plain"), results(one_epoch / "accelerate")
+def test_one_process_trains_exactly_the_plain_model(one_process):
+    plain, accelerated = results(one_process / "plain"), results(one_process / "accelerate")
     assert plain["eval_samples"] == accelerated["eval_samples"] == 2000
-    assert accelerated["eval_accuracy"] == plain["eval_accuracy"] >= 0.96
-    plain_weights, accelerated_weights = (load_file(one_epoch / name / "model.safetensors")
+    assert accelerated["num_processes"] == plain["num_processes"] == 1
+    assert accelerated["eval_accuracy"] == plain["eval_accuracy"] >= 0.94  # measured 0.9525
+    plain_weights, accelerated_weights = (load_file(one_process / name / "model.safetensors")
                                           for name in ("plain", "accelerate"))
     assert plain_weights.keys() == accelerated_weights.keys()
     assert all(torch.equal(plain_weights[k], accelerated_weights[k]) for k in plain_weights)
@@ -57,14 +95,19 @@ def test_one_process_trains_exactly_the_plain_model(one_epoch):
 
 @requires_mnist_10k
 def test_two_processes_evaluate_every_sample_once_and_save_a_plain_model(tmp_path):
-    launch(["--data_dir", MNIST_10K, "--epochs", "1", "--output_dir", tmp_path, "--gradient_accumulation_steps", "2"],
-           num_processes=2, script=MINIMAL)
+    launch(["--data_dir", MNIST_10K, "--epochs", "1", "--output_dir", tmp_path], num_processes=2, script=MINIMAL)
     r = results(tmp_path)
-    assert r["num_processes"] == 2 and r["eval_samples"] == 2000 and r["eval_accuracy"] >= 0.9
-    sys.path.insert(0, str(PLAIN.parent))
-    try:
-        from minimal_mnist_plain import ConvNet
-    finally:
-        sys.path.remove(str(PLAIN.parent))
-    ConvNet().load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: no DDP `module.` names
-    assert json.loads((tmp_path / "results.json").read_text()) == r
+    # 2,000 = 31 batches of 64 and one of 16: the shards are evened out with repeated samples, which
+    # gather_for_metrics drops (a plain gather would count 2,048).
+    assert r["num_processes"] == 2 and r["eval_samples"] == 2000
+    assert r["eval_accuracy"] >= 0.95  # measured 0.963
+    # The saved weights load strictly into the plain twin's ConvNet (no DDP `module.` names), and one
+    # device scores them exactly as the two processes did: each eval sample counted once.
+    plain = load_script(PLAIN)
+    model = plain.ConvNet()
+    model.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    images, labels = plain.load_split(MNIST_10K, "t10k").tensors
+    with torch.no_grad():
+        predictions = torch.cat([model.eval()(batch).argmax(dim=-1) for batch in images.split(64)])
+    correct = (predictions == labels).sum().item()
+    assert correct == round(r["eval_accuracy"] * 2000)
