@@ -41,7 +41,7 @@ from utils.checkpoints import (  # noqa: E402
 )
 from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import build_parser, check_flag_combinations, positive_int, tracker_config  # noqa: E402
+from utils.flags import build_parser, check_flag_combinations, non_negative_float, positive_int, tracker_config  # noqa: E402
 from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
@@ -81,9 +81,10 @@ def parse_args(argv=None):
         "--optimizer", choices=["sgd", "adamw"], default="sgd",
         help="sgd (momentum): lr 0.1, weight decay 1e-4; adamw: lr 1e-3, weight decay 0.05 (unless given)",
     )
-    model.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
-    model.add_argument("--weight_decay", type=float, default=None, help="default depends on --optimizer")
-    model.add_argument("--warmup_epochs", type=float, default=1.0, help="linear warmup before the cosine decay")
+    model.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
+    model.add_argument("--weight_decay", type=non_negative_float, default=None, help="default depends on --optimizer")
+    model.add_argument("--warmup_epochs", type=non_negative_float, default=1.0,
+                       help="linear warmup before the cosine decay")
     model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
 
     dist = parser.add_argument_group("distributed and performance switches")
@@ -103,9 +104,6 @@ def parse_args(argv=None):
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if not 0 <= args.label_smoothing < 1:
         parser.error(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
-    for flag in ("momentum", "weight_decay", "warmup_epochs"):
-        if (getattr(args, flag) or 0) < 0:
-            parser.error(f"--{flag} must be 0 or more, got {getattr(args, flag)}")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATE[args.optimizer]
     if args.weight_decay is None:
@@ -206,7 +204,8 @@ def main(args):
                         f"({progress.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
 
     with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
-        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained)
+        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained,
+                            image_size=args.image_size)
     if args.sync_bn:
         # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)

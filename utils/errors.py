@@ -15,7 +15,10 @@ def exit_with_error(error, status: int = 1) -> None:
     # Every rank prints: they all run the same code on the same inputs, and printing on
     # rank 0 only would lose the message when another rank fails first and the launcher
     # stops rank 0 before it gets there.
-    message = " ".join(str(error).split())
+    text = str(error)
+    if "Original Traceback" in text:  # raised in a DataLoader worker, which wraps it in the worker's traceback
+        text = text.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
+    message = " ".join(text.split())
     # A progress bar (ours, or another rank's under a launcher) may have left the line unfinished:
     # start on a fresh one in a script that shows progress bars (tqdm imported) or runs several
     # processes. One write() keeps the line whole even when stderr is unbuffered (PYTHONUNBUFFERED),

@@ -37,6 +37,27 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < float("inf"):  # also refuses nan, which every comparison lets through
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    """numpy's and torch's generators take seeds in [0, 2**32)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"expected 0 <= seed < 2**32 (numpy's range), got {value}")
+    return value
+
+
 def checkpointing_steps(text: str):
     """'epoch' or a positive number of optimizer steps."""
     if text == "epoch":
@@ -56,7 +77,7 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     hyper.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process; the global batch is num_processes x batch_size")
     hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="peak learning rate")
     hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
-    hyper.add_argument("--seed", type=int, default=42, help="same on every process")
+    hyper.add_argument("--seed", type=seed, default=42, help="same on every process; 0 <= seed < 2**32")
 
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument(

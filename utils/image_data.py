@@ -126,6 +126,13 @@ class TransformedImages(torch.utils.data.Dataset):
         # shared memory: persistent workers see set_epoch() of the main process
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
+    def source_of(self, index) -> str:
+        """The file (or dataset row) an image comes from, read without decoding it."""
+        import datasets
+
+        raw = self.dataset.cast_column(self.image_column, datasets.Image(decode=False))[index][self.image_column]
+        return raw.get("path") or f"image {index} of the dataset"
+
     def set_epoch(self, epoch: int) -> None:
         self._epoch.fill_(epoch)
 
@@ -133,8 +140,12 @@ class TransformedImages(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        example = self.dataset[index]
-        image = example[self.image_column].convert("RGB")  # greyscale, palette, CMYK, RGBA -> 3 channels
+        try:
+            example = self.dataset[index]  # datasets decodes the image here
+            image = example[self.image_column].convert("RGB")  # greyscale, palette, CMYK, RGBA -> 3 channels
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
+            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace or "
+                            f"delete it and start again") from None
         sample_seed = np.random.SeedSequence([self.seed, int(self._epoch), index]).generate_state(1)[0]
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
             torch.manual_seed(int(sample_seed))

@@ -34,20 +34,54 @@ class ConvNet(nn.Module):
         return self.fc(x.flatten(1))
 
 
-def build_model(name: str, num_classes: int, pretrained: bool = False) -> nn.Module:
+def build_model(name: str, num_classes: int, pretrained: bool = False, image_size=None) -> nn.Module:
     """A torchvision classification model by name ("resnet18", "resnet50", ...) with
-    `num_classes` outputs, or `package.module:function` called as function(num_classes=N)."""
+    `num_classes` outputs, or `package.module:function` called as function(num_classes=N).
+    With `image_size`, one image of that size goes through it first (see check_image_size)."""
+    model = _build(name, num_classes, pretrained)
+    if image_size is not None:
+        check_image_size(model, name, image_size)
+    return model
+
+
+def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
+    """Some architectures fix their input size when built (ViT's patch grid: 224 for vit_b_16) or
+    shrink small images to nothing; find out now, on the CPU, not after the data is loaded."""
+    import torch
+
+    was_training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, 3, image_size, image_size))
+    except Exception as err:  # torchvision asserts, shape errors: any of them means this size does not fit
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"--model {name} cannot take --image_size {image_size} images ({reason}); choose the size "
+                        f"it was built for (224 for torchvision's ViTs) or another model") from None
+    finally:
+        model.train(was_training)
+
+
+def _build(name: str, num_classes: int, pretrained: bool) -> nn.Module:
     if ":" in name:
         module_name, _, function_name = name.partition(":")
+        if not module_name or not function_name:
+            raise UserError(f"--model {name}: expected package.module:function, e.g. tests.models:tiny_cnn")
         try:
             builder = getattr(importlib.import_module(module_name), function_name)
-        except (ImportError, AttributeError) as err:
+        except (ImportError, AttributeError, ValueError) as err:
             raise UserError(f"--model {name}: cannot import it ({err}); give a module:function importable "
                             f"from the repository root") from None
         if pretrained:
             raise UserError(f"--pretrained loads torchvision weights; --model {name} is your own builder, "
                             f"so drop --pretrained")
-        return builder(num_classes=num_classes)
+        try:
+            model = builder(num_classes=num_classes)
+        except TypeError as err:
+            raise UserError(f"--model {name}: calling it as {function_name}(num_classes={num_classes}) failed "
+                            f"({err}); give a function that takes num_classes and returns the model") from None
+        if not isinstance(model, nn.Module):
+            raise UserError(f"--model {name} returned a {type(model).__name__}, not a torch.nn.Module")
+        return model
 
     import torchvision
 
