@@ -19,11 +19,12 @@ def exit_with_error(error, status: int = 1) -> None:
     if "Original Traceback" in text:  # raised in a DataLoader worker, which wraps it in the worker's traceback
         text = text.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]
     message = " ".join(text.split())
-    # A progress bar (ours, or another rank's under a launcher) may have left the line unfinished:
-    # start on a fresh one in a script that shows progress bars (tqdm imported) or runs several
-    # processes. One write() keeps the line whole even when stderr is unbuffered (PYTHONUNBUFFERED),
-    # where print() would write text and newline apart.
-    fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or "tqdm" in sys.modules else ""
+    # A progress bar (ours, still open, or another rank's under a launcher) may have left the line
+    # unfinished: start on a fresh one. One write() keeps the line whole even when stderr is
+    # unbuffered (PYTHONUNBUFFERED), where print() would write text and newline apart.
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    bar_open = tqdm is not None and len(getattr(tqdm, "_instances", ())) > 0
+    fresh_line = "\n" if int(os.environ.get("WORLD_SIZE", "1")) > 1 or bar_open else ""
     sys.stderr.write(f"{fresh_line}error: {message}\n")
     sys.stderr.flush()
     sys.exit(status)
