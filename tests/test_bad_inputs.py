@@ -1,19 +1,18 @@
 """Inputs a user can get wrong end with one `error:` line naming the input and the fix, a non-zero
 exit, no traceback through our code, and nothing written: the table grows with every case found."""
 
+import importlib.util
 import sys
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, make_synthetic_mnist, run
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, run
 from image_data import make_split_image_folder
+
+from utils.errors import UserError
+from utils.models import build_model
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 SMALL = ["--image_size", "32", "--num_workers", "0", "--batch_size", "8", "--epochs", "1", "--optimizer", "adamw"]
-
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    return make_synthetic_mnist(tmp_path_factory.mktemp("bad_inputs_digits"), num_train=64, num_test=20)
 
 
 @pytest.fixture(scope="module")
@@ -21,33 +20,52 @@ def images(tmp_path_factory):
     return make_split_image_folder(tmp_path_factory.mktemp("bad_inputs_images"), train_per_class=8, val_per_class=2)
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--seed", "-1"], ["--seed", "0 <= seed < 2**32"]),
-    (["--seed", str(2**32)], ["--seed", "0 <= seed < 2**32"]),
-    (["--seed", "abc"], ["--seed", "whole number"]),
-    (["--ddp_timeout", "0"], ["--ddp_timeout", "positive integer"]),
-])
-def test_bad_shared_flags(digits, tmp_path, flags, words):
-    proc = run([sys.executable, TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", tmp_path / "out", *flags],
-               check=False)
-    assert_clean_user_error(proc, *words)
-    assert not (tmp_path / "out").exists()
+def load_script(path):
+    spec = importlib.util.spec_from_file_location(f"bad_inputs_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--warmup_epochs", "nan"], ["--warmup_epochs", "finite number >= 0"]),
-    (["--warmup_epochs", "inf"], ["--warmup_epochs", "finite number >= 0"]),
-    (["--momentum", "nan"], ["--momentum", "finite number >= 0"]),
-    (["--weight_decay", "-0.1"], ["--weight_decay", "finite number >= 0"]),
-    (["--model", "torch.nn:Linear"], ["--model torch.nn:Linear", "Linear(num_classes=4) failed", "takes num_classes"]),
-    (["--model", ":resnet18"], ["--model :resnet18", "package.module:function"]),
-    (["--model", "no_such_module:f"], ["--model no_such_module:f", "cannot import it"]),
-    (["--model", "vit_b_16"], ["--model vit_b_16 cannot take --image_size 32", "224"]),
+@pytest.mark.parametrize("script, flags, words", [
+    (TRAIN_MNIST, ["--seed", "-1"], ["--seed", "0 <= seed < 2**32"]),
+    (TRAIN_MNIST, ["--seed", str(2**32)], ["--seed", "0 <= seed < 2**32"]),
+    (TRAIN_MNIST, ["--seed", "abc"], ["--seed", "whole number"]),
+    (TRAIN_MNIST, ["--ddp_timeout", "0"], ["--ddp_timeout", "positive integer"]),
+    (CLASSIFIER, ["--warmup_epochs", "nan"], ["--warmup_epochs", "finite number >= 0"]),
+    (CLASSIFIER, ["--warmup_epochs", "inf"], ["--warmup_epochs", "finite number >= 0"]),
+    (CLASSIFIER, ["--momentum", "nan"], ["--momentum", "finite number >= 0"]),
+    (CLASSIFIER, ["--weight_decay", "-0.1"], ["--weight_decay", "finite number >= 0"]),
 ])
-def test_bad_classifier_inputs(images, tmp_path, flags, words):
+def test_bad_flag_values(script, flags, words, capsys):
+    """Parsed in-process, by the parser the script uses: fast, and the same one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        load_script(script).parse_args(["--cpu", "--data_dir", "d", *flags])
+    assert exit_info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ")
+    for word in words:
+        assert word in line, line
+
+
+@pytest.mark.parametrize("name, words", [
+    ("torch.nn:Linear", ["--model torch.nn:Linear", "Linear(num_classes=4) failed", "takes num_classes"]),
+    (":resnet18", ["--model :resnet18", "package.module:function"]),
+    ("no_such_module:f", ["--model no_such_module:f", "cannot import it"]),
+    ("vit_b_16", ["--model vit_b_16 cannot take --image_size 32", "224"]),
+])
+def test_bad_models(name, words):
+    with pytest.raises(UserError) as err:
+        build_model(name, num_classes=4, image_size=32)
+    for word in words:
+        assert word in str(err.value), err.value
+
+
+def test_a_model_that_cannot_take_the_image_size_stops_before_writing(images, tmp_path):
+    """End to end, once: the script, not only build_model."""
     proc = run([sys.executable, CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", tmp_path / "out", *SMALL,
-                *flags], check=False)
-    assert_clean_user_error(proc, *words)
+                "--model", "vit_b_16"], check=False)
+    assert_clean_user_error(proc, "--model vit_b_16 cannot take --image_size 32")
     assert not (tmp_path / "out").exists()
 
 

@@ -35,8 +35,8 @@ def test_each_sample_is_trained_once_per_epoch_across_the_restart(num_processes,
         return BatchSamplerShard(batches, num_processes=num_processes, process_index=rank, even_batches=True)
 
     global_batch = old_processes * old_batch * 3
-    before = [i for rank in range(old_processes) for batch in list(shard(old_batch, old_processes, rank))[:steps_done * 3]
-              for i in batch]
+    before = [i for rank in range(old_processes)
+              for batch in list(shard(old_batch, old_processes, rank))[:steps_done * 3] for i in batch]
     progress = TrainingProgress(samples_in_epoch=steps_done * global_batch, global_batch_size=global_batch)
     skip = batches_to_skip(progress, num_processes, batch_size)
     after = [i for rank in range(num_processes)
@@ -63,9 +63,13 @@ def saved_on_2(tmp_path_factory):
     return data, runs
 
 
-@pytest.mark.parametrize("num_processes, flags, accumulation", [
-    (1, [], 6), (3, [], 2), (4, ["--batch_size", "18", "--gradient_accumulation_steps", "2"], 2)])
-@pytest.mark.parametrize("checkpoint", ["step_2", "epoch_0"])  # 288 samples into epoch 0; the end of epoch 0
+@pytest.mark.parametrize("checkpoint, num_processes, flags, accumulation", [
+    # 288 samples into epoch 0
+    ("step_2", 1, [], 6), ("step_2", 3, [], 2),
+    ("step_2", 4, ["--batch_size", "18", "--gradient_accumulation_steps", "2"], 2),
+    # the end of epoch 0 (on 1 process OneCycleLR's restored schedule used to overrun here)
+    ("epoch_0", 1, [], 6), ("epoch_0", 3, [], 2),
+])
 def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, tmp_path, checkpoint, num_processes, flags,
                                                             accumulation):
     data, runs = saved_on_2
