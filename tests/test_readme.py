@@ -16,8 +16,14 @@ def launch_commands() -> list:
 
 
 def runnable(command: str) -> list:
-    """The command's words, with `accelerate` run from this interpreter's environment."""
+    """The command's words, with `accelerate` run from this interpreter's environment (VAR=value
+    prefixes through `env`)."""
     words = shlex.split(command)
+    assignments = []
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        assignments.append(words.pop(0))
+    if assignments:
+        return ["env", *assignments, *runnable(shlex.join(words))]
     at = words.index("accelerate")
     prefix = ["bash", REPO / words[0]] if at > 0 else []  # e.g. scripts/restart_on_failure.sh 3 ...
     return [*prefix, *words[1 if prefix else 0:at], *ACCELERATE, *words[at + 1:]]

@@ -1,6 +1,7 @@
 """Jobs die: a killed rank, an interrupted save, a diverging loss. What survives, and how."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,24 @@ def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, ra
     (worker,) = [p for p in training_processes(output_dir) if p.environ().get("LOCAL_RANK") == str(rank)]
     worker.kill()
     return worker.pid
+
+
+def test_the_launcher_restarts_a_killed_rank_and_the_run_matches_the_uninterrupted_one(data, uninterrupted, tmp_path):
+    """In-launcher restarts: --max_restarts with the c10d rendezvous. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    gives each attempt a fresh store; with the agent's shared store the restarted workers read the dead
+    attempt's gloo addresses and fail (Connection refused)."""
+    out = tmp_path / "restarted"
+    cmd = [*launcher_args(2), "--max_restarts", "1", "--rdzv_backend", "c10d", TRAIN_MNIST, "--cpu",
+           "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
+    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    _kill_rank_after_first_checkpoint(job, out)
+    output, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, output[-4000:]
+    assert output.count("Resumed from ") == 1, "the restarted attempt continues from a checkpoint"
+    resumed, reference = results(out), results(uninterrupted)
+    assert resumed["resumed_from"] is not None and resumed["samples_seen"] == reference["samples_seen"]
+    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
 
 
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, uninterrupted, tmp_path):
