@@ -6,7 +6,8 @@ Marker convention, on the line before a ```python fence (every Python block need
     <!-- runnable: accelerate launch 2 --> accelerate launch --multi_gpu --num_processes 2 --main_process_port 0
     <!-- runnable: torchrun 2 -->          python -m torch.distributed.run --standalone --nproc_per_node 2
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
-Runnable snippets run on the CPU in a temporary folder and must assert what the text claims.
+Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
+break a launched job (the environment variables to delete) are compile-only and launched by their own test.
 """
 
 import json
@@ -59,7 +60,8 @@ def test_every_python_block_is_marked_and_runnable_ones_assert():
         assert marker in RUNNERS or (marker or "").startswith("compile-only: "), f"{name}: unknown marker {marker!r}"
     for name, marker, _, code in PYTHON:
         if marker in RUNNERS:
-            assert re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.MULTILINE), f"{name} checks nothing"
+            checks = re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.MULTILINE)
+            assert checks, f"{name} checks nothing"
     # before and after side by side: some of each kind, several distributed ones actually run
     assert len(RUNNABLE) >= 10 and len(COMPILE_ONLY) >= 6
     assert sum("torchrun" in p.values[0] for p in RUNNABLE) >= 3
@@ -102,6 +104,64 @@ def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
     proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240, check=False)
     assert proc.returncode != 0
     assert "Expected to have finished reduction in the prior iteration" in proc.stdout + proc.stderr
+
+
+def the_snippet_with(text: str, blocks: list) -> str:
+    (code,) = [p.values[-1] for p in blocks if text in p.values[-1]]
+    return code
+
+
+def test_old_local_rank_parser_under_torch_launchers(tmp_path):
+    """The guide's table: torch.distributed.launch passes --local-rank=N, which the old parser refuses;
+    torchrun passes nothing, so the parser keeps its default (accelerate launch: the snippet itself)."""
+    code = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
+    start, parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
+    parser = code[code.index(start): code.index(parse)] + parse  # without the snippet's torch and accelerate imports
+    script = tmp_path / "old_parser.py"
+    script.write_text(f"import argparse\n\n{parser}\nprint('local_rank', args.local_rank)\n")
+    one_process = ["--standalone", "--nproc_per_node", "1", script]
+    launch = run([sys.executable, "-m", "torch.distributed.launch", *one_process], cwd=tmp_path, check=False)
+    assert launch.returncode != 0 and "error: unrecognized arguments: --local-rank=0" in launch.stderr, launch.stderr
+    torchrun = run([sys.executable, "-m", "torch.distributed.run", *one_process], cwd=tmp_path)
+    assert "local_rank -1" in torchrun.stdout
+
+
+# What a script does after the guide's lines to delete: join the group, say who it is. TIMEOUT: the process
+# group's, in seconds; short only where nobody hosts the store (a short one would fail a slow-starting peer).
+JOIN_AND_REPORT = """
+from datetime import timedelta
+
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+
+accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=TIMEOUT))])
+print(f"process {accelerator.process_index} of {accelerator.num_processes}", flush=True)
+accelerator.end_training()
+"""
+
+
+@pytest.mark.parametrize("variable", [None, "WORLD_SIZE", "MASTER_PORT"])
+def test_environment_set_by_the_script_overrides_the_launcher(variable, tmp_path):
+    """The guide's lines to delete, each run in front of JOIN_AND_REPORT with 2 processes; None: without them."""
+    block = the_snippet_with('os.environ["WORLD_SIZE"] = "1"', COMPILE_ONLY)
+    (line,) = [text for text in block.splitlines() if text.startswith(f'os.environ["{variable}"] = ')] or [""]
+    # a port nobody listens on, not 29500, which another job on this machine may really hold
+    line = line.replace('"29500"', f'"{free_port()}"')
+    script = tmp_path / "script.py"
+    timeout = "1" if variable == "MASTER_PORT" else "100"
+    script.write_text(f"import os\n{line}\n" + JOIN_AND_REPORT.replace("TIMEOUT", timeout))
+    proc = run([*launcher_args(2), script], cwd=tmp_path, timeout=120, check=False)
+    output = proc.stdout + proc.stderr
+    if variable is None:
+        assert proc.returncode == 0 and {"process 0 of 2", "process 1 of 2"} <= set(proc.stdout.splitlines()), output
+    elif variable == "WORLD_SIZE":
+        # process 0 forms a group of one (it may be stopped before it prints); process 1 cannot join
+        assert proc.returncode != 0 and "rank < size. 1 vs 1" in output, output
+        assert "process 1 of" not in proc.stdout and "of 2" not in proc.stdout
+    else:
+        port = re.search(r'"(\d+)"', line)[1]
+        assert proc.returncode != 0 and f"127.0.0.1:{port}" in output, output
+        assert "process " not in proc.stdout
 
 
 @pytest.mark.parametrize("code", COMPILE_ONLY)
