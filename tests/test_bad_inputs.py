@@ -69,13 +69,15 @@ def test_a_model_that_cannot_take_the_image_size_stops_before_writing(images, tm
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("num_workers", ["0", "1"])  # decoded in the main process, and in a DataLoader worker
-def test_a_corrupt_image_names_its_file(tmp_path, num_workers):
+# Decoded in the main process; in a DataLoader worker on one of two processes, whose partner stops with a note.
+@pytest.mark.parametrize("num_workers, num_processes", [("0", 1), ("1", 2)])
+def test_a_corrupt_image_names_its_file(tmp_path, num_workers, num_processes):
     folder = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=2)
     broken = sorted((folder / "train").rglob("*.png"))[3]
     broken.write_bytes(broken.read_bytes()[:60])  # truncated: a valid PNG header, then nothing
     flags = [f if f != "0" else num_workers for f in SMALL]
-    proc = launch(["--data_dir", folder, "--output_dir", tmp_path / "out", *flags], script=CLASSIFIER, check=False)
-    assert_clean_user_error(proc, broken.name, "cannot be decoded", "replace or delete it")
+    proc = launch(["--data_dir", folder, "--output_dir", tmp_path / "out", *flags], num_processes=num_processes,
+                  script=CLASSIFIER, check=False)
+    assert_clean_user_error(proc, broken.name, "cannot be decoded", "replace it with a good copy")
     assert "Traceback" not in "\n".join(l for l in (proc.stdout + proc.stderr).splitlines() if l.startswith("error"))
     assert not (tmp_path / "out" / "results.json").exists()

@@ -1,34 +1,59 @@
 """A process that stops answering (a hung GPU, a frozen node, a rank on another code path) leaves
 the others waiting in a collective until the process group's timeout (--ddp_timeout). Then the
-backend raises; this turns that into one line that says what happened and where."""
+backend raises; this turns that into one line that says what happened and where. A collective whose
+other end ended (a process that failed or was killed) stops this process with a note instead, so that
+the failed process's own error stays the one `error:` line."""
 
 import contextlib
+import os
+import sys
 
 from utils.errors import UserError
 
-# What the backends say when a collective waited too long (torch 2.x): gloo raises a RuntimeError
-# "Timed out waiting Nms for recv/send operation to complete", the store "wait timeout after Nms",
-# NCCL's watchdog "Watchdog caught collective operation timeout" (a DistBackendError).
+# What the backends raise (a RuntimeError, or its subclass DistBackendError) when a collective waited
+# too long, in torch 2.x: gloo "Timed out waiting 5000ms for recv operation to complete", the store
+# "wait timeout after 5000ms", NCCL's watchdog "Watchdog caught collective operation timeout" and its
+# TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". tests/test_hangs.py checks gloo's.
 TIMEOUT_MESSAGES = ("Timed out waiting", "wait timeout after", "collective operation timeout",
-                    "Connection closed by peer")
+                    "timed out in blocking wait")
+# What gloo raises when the process at the other end ended mid-collective (a crash, the OOM killer,
+# the launcher stopping the job after another process failed): no timeout, and its own output says why.
+PEER_GONE_MESSAGES = ("Connection closed by peer", "Connection reset by peer")
 
 
-def is_collective_timeout(err: BaseException) -> bool:
-    return isinstance(err, RuntimeError) and any(text in str(err) for text in TIMEOUT_MESSAGES)
+def collective_failure(err: BaseException):
+    """The kind of failed collective behind an exception: "timeout", "peer gone", or None for anything else."""
+    if not isinstance(err, RuntimeError):
+        return None
+    text = str(err)
+    if any(message in text for message in TIMEOUT_MESSAGES):
+        return "timeout"
+    if any(message in text for message in PEER_GONE_MESSAGES):
+        return "peer gone"
+    return None
 
 
 @contextlib.contextmanager
 def collective_timeouts_named(args, progress):
-    """Around the training loop: a collective that timed out ends the run with one `error:` line
-    naming the timeout and the optimizer step (every other error passes through unchanged)."""
+    """Around the training loop: a collective that timed out ends the run with one `error:` line naming
+    the timeout and the optimizer step; one that lost the process at its other end ends this process
+    quietly, with a note (other errors pass through unchanged)."""
     try:
         yield
     except RuntimeError as err:
-        if not is_collective_timeout(err):
-            raise
-        raise UserError(
-            f"a collective operation timed out after --ddp_timeout {args.ddp_timeout} s during optimizer step "
-            f"{progress.global_step + 1}: another process stopped answering (a hung GPU, a frozen node, or a "
-            f"process on another code path); look at the other processes' output, and raise --ddp_timeout if "
-            f"steps are legitimately that slow (a long checkpoint save)"
-        ) from None
+        failure = collective_failure(err)
+        steps = f"with {progress.global_step} optimizer steps done"
+        if failure == "timeout":
+            raise UserError(
+                f"a collective operation timed out after --ddp_timeout {args.ddp_timeout} s, {steps}: another "
+                f"process stopped answering (a hung GPU, a frozen node, or a process on another code path); "
+                f"look at the other processes' output, and raise --ddp_timeout if steps are legitimately that "
+                f"slow (a long checkpoint save)"
+            ) from None
+        if failure == "peer gone":
+            # Not an `error:` line: the cause is the other process's, and its own line (or the launcher's report
+            # of its exit, e.g. SIGKILL from the OOM killer) says it; a second `error:` line would only hide it.
+            sys.stderr.write(f"\n[rank {os.environ.get('RANK', '?')}] stopping: another process ended during a "
+                             f"collective operation, {steps}; its output or the launcher's report says why\n")
+            raise SystemExit(1) from None
+        raise

@@ -144,8 +144,9 @@ class TransformedImages(torch.utils.data.Dataset):
             example = self.dataset[index]  # datasets decodes the image here
             image = example[self.image_column].convert("RGB")  # greyscale, palette, CMYK, RGBA -> 3 channels
         except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace or "
-                            f"delete it and start again") from None
+            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace it "
+                            f"with a good copy and continue with --resume_from_checkpoint latest, or delete it and "
+                            f"start again") from None
         sample_seed = np.random.SeedSequence([self.seed, int(self._epoch), index]).generate_state(1)[0]
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
             torch.manual_seed(int(sample_seed))
