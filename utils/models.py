@@ -46,7 +46,10 @@ def build_model(name: str, num_classes: int, pretrained: bool = False, image_siz
 
 def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
     """Some architectures fix their input size when built (ViT's patch grid: 224 for vit_b_16) or
-    shrink small images to nothing; find out now, on the CPU, not after the data is loaded."""
+    shrink small images to nothing; find out now, on the CPU, not after the data is loaded.
+    One dry forward rather than passing image_size to the models that take it: it covers every model
+    (your own ones too), and never builds an architecture other than the one named (a ViT built for
+    32 px has another positional embedding, which its pretrained weights do not fit)."""
     import torch
 
     was_training = model.training
