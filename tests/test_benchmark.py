@@ -248,12 +248,12 @@ def test_the_step_watch_sees_gradscaler_skip_a_step_without_reading_the_scale():
         assert watch.take() is steps and watch.take() is False
 
 
-# A folder of a machine: absolute (/home/me/...) or climbing out of the repository to one (../../tmp/...).
+# A folder of a machine: absolute (/scratch/me/...) or climbing out of the repository to one (../../scratch/...).
 MACHINE_PATH = re.compile(r"(?<![\w./-])(?:/|(?:\.\./)+)(?:work|root|home|tmp|Users|mnt|scratch)/\S*")
 
 
 def test_committed_docs_name_no_folder_of_the_machine_they_were_made_on():
-    assert MACHINE_PATH.search("--data_dir /work/shared/x") and MACHINE_PATH.search("'../../tmp/benchmark-1/out'")
+    assert MACHINE_PATH.search("--data_dir /scratch/data/x") and MACHINE_PATH.search("'../../scratch/run-1/out'")
     assert not MACHINE_PATH.search("--data_dir ../shared/data/mnist-10k --output_dir docs/benchmarks/tmp/x")
     files = subprocess.run(["git", "ls-files", "docs", "README.md"], capture_output=True, text=True, cwd=REPO,
                            check=True).stdout.split()

@@ -17,42 +17,37 @@ class ArgumentParser(argparse.ArgumentParser):
         exit_with_error(f"{self.prog}: {message} (see --help)", status=2)  # 2: argparse's usage-error status
 
 
-def positive_int(text: str) -> int:
+def _parse(text: str, convert, expected: str):
     try:
-        value = int(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    value = _parse(text, int, "a positive integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
+    value = _parse(text, float, "a positive number")
+    if not 0 < value < float("inf"):  # also refuses nan, which every comparison lets through
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= value < float("inf"):  # also refuses nan, which every comparison lets through
+    value = _parse(text, float, "a number >= 0")
+    if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
     return value
 
 
 def seed(text: str) -> int:
     """numpy's and torch's generators take seeds in [0, 2**32)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _parse(text, int, "a whole number")
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"expected 0 <= seed < 2**32 (numpy's range), got {value}")
     return value

@@ -3,8 +3,6 @@ Accelerator is built, each ending with one `error:` line."""
 
 import os
 
-from accelerate.utils import DistributedType
-
 from utils.errors import UserError
 
 FSDP_NEEDS_GPUS = ("the launch asks for FSDP, which shards the model over GPUs, but this run has none (or --cpu, with "
@@ -22,8 +20,6 @@ def check_accelerator(accelerator) -> None:
             f"accelerate launch started {launched} processes but they did not form one group "
             f"(this one sees {accelerator.num_processes}); on a machine without GPUs add --cpu to the script's flags"
         )
-    if fsdp_launch() and accelerator.distributed_type != DistributedType.FSDP:  # see check_enough_devices
-        raise UserError(FSDP_NEEDS_GPUS)
     # Accelerate has no fp16 autocast on the CPU: it would silently train in fp32.
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
         raise UserError(
