@@ -30,14 +30,17 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
+from utils.batch_size import fit_batch_size  # noqa: E402
 from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
     batches_to_skip,
+    epochs_to_train,
     gather_running_loss,
     load_checkpoint,
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
+    save_if_best,
 )
 from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
@@ -47,8 +50,9 @@ from utils.image_data import TransformedImages, eval_transform, load_image_datas
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import build_model  # noqa: E402
+from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import RunningLoss, ThroughputMeter, create_output_dir, report_run  # noqa: E402
+from utils.results import GradNorms, RunningLoss, ThroughputMeter, create_output_dir, report_run  # noqa: E402
 from utils.signals import StopSignal, ignore_stop_signals, stop_requested  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
@@ -157,11 +161,10 @@ def main(args):
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-        # We step the scheduler once per optimizer step (by default Accelerate steps it once per process).
-        step_scheduler_with_optimizer=False,
+        step_scheduler_with_optimizer=False,  # we step it once per optimizer step (by default: once per process)
         kwargs_handlers=[ddp_kwargs, InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],
         dynamo_backend="inductor" if args.compile else None,  # None: as the launch config says
-        log_with="tensorboard" if args.with_tracking else None, project_dir=args.output_dir,
+        log_with=args.report_to or None, project_dir=args.output_dir,  # --report_to: TensorBoard, MLflow, W&B
     )
     # shared: after the Accelerator
     check_accelerator(accelerator)
@@ -185,6 +188,21 @@ def main(args):
     columns = (image_column, label_column)
     train_dataset = TransformedImages(train_split, train_transform(args.image_size), *columns, seed=args.seed)
     eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size), *columns)
+    with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
+        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained,
+                            image_size=args.image_size)
+    if args.sync_bn:
+        # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if args.optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
+                                    weight_decay=args.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.auto_find_batch_size:  # [accelerate] find_executable_batch_size: halve --batch_size until a step fits
+        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming=checkpoint is not None)
     loader_options = dict(
         num_workers=args.num_workers,
         pin_memory=accelerator.device.type == "cuda",
@@ -203,19 +221,6 @@ def main(args):
         raise UserError(f"{len(train_dataset)} training images are fewer than one global batch "
                         f"({progress.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
 
-    with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
-        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained,
-                            image_size=args.image_size)
-    if args.sync_bn:
-        # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
-                                    weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     max_steps = steps_per_epoch * args.epochs
     warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), max_steps)
 
@@ -236,18 +241,19 @@ def main(args):
 
     # shared: resume, then the first write
     # [accelerate] load_state: weights, optimizer, scheduler, GradScaler and RNG states, if there is a checkpoint
-    load_checkpoint(accelerator, checkpoint, progress, args)
+    load_checkpoint(accelerator, model, checkpoint, progress, args)
     if accelerator.is_main_process:  # only now, with data, model and checkpoint all valid, does the run write
         create_output_dir(args.output_dir)
-    if args.with_tracking:
+    if args.report_to:
         accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))  # [accelerate]
     results = {"train_loss": None}  # the last epoch's training and evaluation metrics
     meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)
+    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # --max_grad_norm: the norms before clipping
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    with collective_timeouts_named(args, progress):  # --ddp_timeout: one line instead of a hang
-        for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
+    with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler:
+        for epoch in epochs_to_train(accelerator, progress, args):  # none with --eval_only; --early_stopping_patience
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
@@ -273,6 +279,8 @@ def main(args):
                         raise
                     loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] unscales fp16
+                        grad_norms.add(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()
@@ -280,6 +288,7 @@ def main(args):
                 # shared: after each batch
                 running_loss.add(loss, len(labels), step=progress.global_step + 1)
                 meter.batch_done(len(labels))
+                profiler.step()
                 if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
                     progress.global_step += 1
                     progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
@@ -300,12 +309,13 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-            results.update(train_loss=progress.end_epoch(), **evaluate(accelerator, model, eval_dataloader, metric,
-                                                                       args.channels_last))
+            results.update(train_loss=progress.end_epoch(), **grad_norms.take(),
+                           **evaluate(accelerator, model, eval_dataloader, metric, args.channels_last))
             logger.info(f"epoch {epoch}: {results}")
-            if args.with_tracking:  # [accelerate]
+            if args.report_to:  # [accelerate]
                 accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
                                 step=progress.global_step)
+            save_if_best(accelerator, model, progress, results, epoch, args)  # --metric_for_best: OUTPUT_DIR/best
             if args.checkpointing_steps == "epoch":
                 save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
     progress_bar.close()
@@ -336,6 +346,8 @@ def main(args):
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(parse_args()))
+        args = parse_args()
+        with collective_timeouts_named(args):  # --ddp_timeout outside the training loop: one line too
+            sys.exit(main(args))
     except UserError as err:
         exit_with_error(err)

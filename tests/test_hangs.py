@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import error_lines, launch_in_background, make_synthetic_mnist, training_processes, wait_for_path
+from helpers import REPO, error_lines, launch_in_background, make_synthetic_mnist, training_processes, wait_for_path
 
 from utils.hangs import collective_failure
 
@@ -107,3 +107,24 @@ def test_other_errors_pass_through():
                                            "WorkNCCL(SeqNum=7, OpType=ALLREDUCE, Timeout(ms)=600000)")) == "timeout"
     assert collective_failure(RuntimeError("CUDA out of memory")) is None
     assert collective_failure(ValueError("Timed out waiting")) is None  # not the backend's error type
+
+
+def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
+    """Both scripts run main() inside collective_timeouts_named(args): loading a checkpoint, --eval_only's
+    evaluation and the final save hang in collectives too."""
+    import argparse
+
+    import pytest
+
+    from utils.errors import UserError
+    from utils.hangs import collective_timeouts_named
+
+    args = argparse.Namespace(ddp_timeout=5)
+    with pytest.raises(UserError, match=r"timed out after --ddp_timeout 5 s, outside the training loop \(starting, "
+                                        r"loading a checkpoint, evaluating or saving\): another process"):
+        with collective_timeouts_named(args):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+                               "5000ms for recv operation to complete")
+    for script in ("train_mnist.py", "train_image_classifier.py"):
+        main_block = (REPO / "scripts" / script).read_text().split('if __name__ == "__main__":')[1]
+        assert "with collective_timeouts_named(args):" in main_block and "main(args)" in main_block, script

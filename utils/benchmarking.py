@@ -23,7 +23,13 @@ FLAGS_THE_BASELINES_LACK = {
     "save_on_signal": False,
     "eval_only": False,
     "with_tracking": False,
+    "report_to": "none",
     "deterministic": False,
+    "max_grad_norm": None,
+    "metric_for_best": None,
+    "early_stopping_patience": None,
+    "profile": False,
+    "auto_find_batch_size": False,
 }
 
 

@@ -13,11 +13,15 @@ import shutil
 from pathlib import Path
 
 from accelerate.logging import get_logger
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from utils.errors import UserError
+from utils.flags import HIGHER_IS_BETTER
 from utils.results import write_json_atomically
 
 TRAINING_STATE = "training_state.json"
+BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model.safetensors and training state
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
 logger = get_logger(__name__)
@@ -38,6 +42,8 @@ class TrainingProgress:
     optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
     num_processes: int = 1  # of the run that saved it
     global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
+    best_epoch: int = -1  # --metric_for_best: the epoch evaluated best so far (-1: none yet)
+    best_metric: float | None = None  # and its value
 
     def add(self, loss_sum: float, samples: int) -> None:
         """Fold in the losses and sample count of every process since the last call."""
@@ -101,16 +107,23 @@ def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgre
     return final
 
 
-def load_checkpoint(accelerator, checkpoint, progress: TrainingProgress, args) -> None:
+def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, args) -> None:
     """Collective: `accelerator.load_state` (every process reads the weights, optimizer, scheduler,
     GradScaler and its own RNG states), with one clear line when the folder does not fit the run.
+    The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
     if checkpoint is None:
         if args.resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
         return
     try:
-        accelerator.load_state(str(checkpoint))
+        if args.resume_from_checkpoint == BEST:
+            # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
+            # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
+            set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / "model.safetensors"),
+                                 options=StateDictOptions(full_state_dict=True))
+        else:
+            accelerator.load_state(str(checkpoint))
     except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
         raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
                         f"another model") from None
@@ -119,6 +132,51 @@ def load_checkpoint(accelerator, checkpoint, progress: TrainingProgress, args) -
     accelerator.step = 0
     logger.info(f"Resumed from {checkpoint}: epoch {progress.epoch}, step {progress.global_step}, "
                 f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
+
+
+def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, epoch: int, args) -> bool:
+    """--metric_for_best, after epoch `epoch`'s evaluation: when `results` beat the best so far, record them in
+    `progress` and write the plain weights (as the final model.safetensors) and the progress to OUTPUT_DIR/best,
+    atomically. Collective when it saves (gathers FSDP shards); `results` are the same on every process."""
+    if args.metric_for_best is None:
+        return False
+    value, best = results[args.metric_for_best], progress.best_metric
+    if best is not None and not (value > best if HIGHER_IS_BETTER[args.metric_for_best] else value < best):
+        return False
+    progress.best_epoch, progress.best_metric = epoch, value
+    output_dir = Path(args.output_dir)
+    final, tmp = output_dir / BEST, output_dir / f"{TMP_PREFIX}{BEST}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
+    accelerator.wait_for_everyone()
+    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), tmp)
+    if accelerator.is_main_process:
+        write_json_atomically(tmp / TRAINING_STATE, dataclasses.asdict(progress))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    accelerator.wait_for_everyone()
+    logger.info(f"epoch {epoch}: best {args.metric_for_best} so far ({value:.4f}), saved to {final}",
+                main_process_only=True)
+    return True
+
+
+def epochs_to_train(accelerator, progress: TrainingProgress, args):
+    """The epochs left: from the checkpoint's (or 0) to --epochs; none with --eval_only. --early_stopping_patience
+    ends them once --metric_for_best has not improved for that many epochs (also when a resume finds it so).
+    The main process decides and Accelerate's trigger tells the others (one tiny all-reduce per epoch), so all
+    processes stop after the same epoch even if their metrics differed in the last bit."""
+    for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
+        if args.early_stopping_patience is not None:
+            epochs_without_improvement = epoch - 1 - progress.best_epoch
+            if accelerator.is_main_process and progress.best_epoch >= 0 and \
+                    epochs_without_improvement >= args.early_stopping_patience:
+                accelerator.set_trigger()  # [accelerate]
+            if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
+                logger.info(f"Stopping early: {args.metric_for_best} has not improved for {epochs_without_improvement} "
+                            f"epochs (best: {progress.best_metric:.4f} after epoch {progress.best_epoch})",
+                            main_process_only=True)
+                return
+        yield epoch
 
 
 def read_training_state(checkpoint) -> TrainingProgress:
@@ -166,6 +224,12 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     """
     if resume_from_checkpoint is None:
         return None
+    if resume_from_checkpoint == BEST:
+        checkpoint = Path(output_dir) / BEST
+        if not (checkpoint / TRAINING_STATE).is_file():
+            raise UserError(f"--resume_from_checkpoint best: no {checkpoint} with {TRAINING_STATE}; train with "
+                            f"--metric_for_best (or --early_stopping_patience) first")
+        return checkpoint
     if resume_from_checkpoint == "latest":
         checkpoint = find_latest_checkpoint(output_dir)
         if checkpoint is None and eval_only:

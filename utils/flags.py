@@ -5,9 +5,14 @@ Names follow accelerate's examples (`--mixed_precision`, `--cpu`, `--output_dir`
 """
 
 import argparse
+import importlib.util
 from pathlib import Path
 
 from utils.errors import exit_with_error
+
+# The trackers the scripts offer, each with the package it needs (Accelerate supports more).
+TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+HIGHER_IS_BETTER = {"eval_accuracy": True, "eval_loss": False}  # --metric_for_best: which way is better
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -73,6 +78,10 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="peak learning rate")
     hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
     hyper.add_argument("--seed", type=seed, default=42, help="same on every process; 0 <= seed < 2**32")
+    hyper.add_argument(
+        "--max_grad_norm", type=positive_float, default=None,
+        help="clip the gradients' global norm to this before each optimizer step (fp16: after unscaling)",
+    )
 
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument(
@@ -88,6 +97,10 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
         "--deterministic", action="store_true",
         help="GPU: deterministic cuDNN/cuBLAS kernels, so reruns and resumes repeat bit for bit (slower)",
     )
+    hardware.add_argument(
+        "--auto_find_batch_size", action="store_true",
+        help="before training, halve --batch_size until a training step fits in memory (global batch kept if it can)",
+    )
 
     data = parser.add_argument_group("data")
     data.add_argument("--max_train_samples", type=positive_int, default=None, help="use only the first N")
@@ -101,27 +114,65 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     )
     out.add_argument("--checkpoints_total_limit", type=positive_int, default=None, help="keep only the newest K")
     out.add_argument(
-        "--resume_from_checkpoint", default=None, metavar="{latest,PATH}",
-        help="'latest' (newest complete checkpoint in --output_dir; starts fresh if none) or a checkpoint folder",
+        "--resume_from_checkpoint", default=None, metavar="{latest,best,PATH}",
+        help="'latest' (newest complete checkpoint in --output_dir; starts fresh if none), a checkpoint folder, "
+             "or with --eval_only 'best' (the weights --metric_for_best kept)",
     )
     out.add_argument(
         "--save_on_signal", action="store_true",
         help="on SIGTERM/SIGUSR1 (Slurm preemption), finish the step, save step_N and exit with 128+signal",
     )
-    out.add_argument("--eval_only", action="store_true", help="evaluate --resume_from_checkpoint and write results")
-    out.add_argument("--with_tracking", action="store_true", help="log metrics to TensorBoard in --output_dir")
+    out.add_argument("--eval_only", action="store_true",
+                     help="evaluate --resume_from_checkpoint (a checkpoint, or 'best') and write results")
+    out.add_argument(
+        "--metric_for_best", choices=sorted(HIGHER_IS_BETTER), default=None,
+        help="keep the best epoch's weights in OUTPUT_DIR/best (default eval_loss with --early_stopping_patience)",
+    )
+    out.add_argument(
+        "--early_stopping_patience", type=positive_int, default=None, metavar="N",
+        help="stop when --metric_for_best has not improved for N epochs",
+    )
+
+    track = parser.add_argument_group("tracking and profiling")
+    track.add_argument(
+        "--report_to", choices=[*TRACKERS, "all", "none"], default="none",
+        help="Accelerate's trackers to log to; all: every one installed (mlflow, wandb: pip install -r "
+             "requirements-trackers.txt)",
+    )
+    track.add_argument("--with_tracking", action="store_true", help="the same as --report_to tensorboard")
+    track.add_argument(
+        "--profile", action="store_true",
+        help="torch.profiler trace of a few steady-state steps per process into OUTPUT_DIR/profile",
+    )
     return parser
 
 
 def tracker_config(args) -> dict:
     """The run's flags as hyperparameters for the trackers, which take scalars and strings only."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-            if isinstance(v, (int, float, str, bool, Path))}
+    return {k: ",".join(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, Path, list))}
 
 
 def check_flag_combinations(parser: ArgumentParser, args) -> None:
+    """Flags that are wrong together, and the normal form of the tracking flags: `args.report_to`
+    becomes the list of trackers for `Accelerator(log_with=...)` (empty: no tracking)."""
     if args.eval_only and args.resume_from_checkpoint is None:
-        parser.error("--eval_only needs --resume_from_checkpoint {latest,PATH} to know what to evaluate")
+        parser.error("--eval_only needs --resume_from_checkpoint {latest,best,PATH} to know what to evaluate")
+    if args.resume_from_checkpoint == "best" and not args.eval_only:
+        parser.error("--resume_from_checkpoint best holds the best weights only (no optimizer state): evaluate them "
+                     "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
+    if args.early_stopping_patience is not None and args.metric_for_best is None:
+        args.metric_for_best = "eval_loss"  # as the HF Trainer
+    installed = [name for name, package in TRACKERS.items() if importlib.util.find_spec(package)]
+    if args.report_to == "all":
+        args.report_to = installed
+    elif args.report_to == "none":
+        args.report_to = ["tensorboard"] if args.with_tracking else []
+    else:
+        if args.report_to not in installed:
+            parser.error(f"--report_to {args.report_to}: the {TRACKERS[args.report_to]} package is not installed; "
+                         f"pip install -r requirements-trackers.txt")
+        args.report_to = sorted({args.report_to, *(["tensorboard"] if args.with_tracking else [])})
 
 
 def build_mnist_parser(description: str) -> ArgumentParser:

@@ -34,15 +34,17 @@ def collective_failure(err: BaseException):
 
 
 @contextlib.contextmanager
-def collective_timeouts_named(args, progress):
-    """Around the training loop: a collective that timed out ends the run with one `error:` line naming
-    the timeout and the optimizer step; one that lost the process at its other end ends this process
-    quietly, with a note (other errors pass through unchanged)."""
+def collective_timeouts_named(args, progress=None):
+    """Around the training loop (with `progress`), and around the whole run (without: start-up, loading a
+    checkpoint, the final evaluation and save): a collective that timed out ends the run with one `error:` line
+    naming the timeout and the optimizer step or the phase; one that lost the process at its other end ends this
+    process quietly, with a note (other errors pass through unchanged)."""
     try:
         yield
     except RuntimeError as err:
         failure = collective_failure(err)
-        steps = f"with {progress.global_step} optimizer steps done"
+        steps = (f"with {progress.global_step} optimizer steps done" if progress is not None else
+                 "outside the training loop (starting, loading a checkpoint, evaluating or saving)")
         if failure == "timeout":
             raise UserError(
                 f"a collective operation timed out after --ddp_timeout {args.ddp_timeout} s, {steps}: another "

@@ -82,6 +82,33 @@ class RunningLoss:
         return taken
 
 
+class GradNorms:
+    """--max_grad_norm: the gradients' global norms before clipping (what clip_grad_norm_ returns), kept on the
+    device like RunningLoss. Every process computes the same norm of the all-reduced gradients, so no gathering.
+    `take()` gives the epoch's mean and max over the finite ones (an fp16 overflow step has an infinite norm and
+    is skipped anyway), and the number of steps clipped."""
+
+    def __init__(self, device: torch.device, max_norm):
+        self.max_norm = max_norm
+        self.stats = torch.zeros(4, dtype=torch.float64, device=device)  # norm sum, finite steps, max, clipped
+
+    def add(self, norm: torch.Tensor) -> None:
+        norm = norm.detach().double()
+        finite = torch.isfinite(norm)
+        clean = torch.where(finite, norm, torch.zeros_like(norm))
+        clipped = finite & (norm > self.max_norm)
+        self.stats += torch.stack([clean, finite.double(), torch.zeros_like(norm), clipped.double()])
+        self.stats[2] = torch.maximum(self.stats[2], clean)
+
+    def take(self) -> dict:
+        if self.max_norm is None:
+            return {}
+        norm_sum, steps, norm_max, clipped = self.stats.tolist()
+        self.stats.zero_()
+        return {"grad_norm_mean": norm_sum / steps if steps else None, "grad_norm_max": norm_max,
+                "steps_clipped": int(clipped)}
+
+
 def peak_memory_mb(device: torch.device) -> float:
     """GPU: peak memory allocated by tensors. CPU: peak resident set size of this process."""
     if device.type == "cuda":
@@ -139,9 +166,14 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "learning_rate": args.learning_rate,
             "seed": args.seed,
             "resumed_from": str(checkpoint) if checkpoint is not None else None,
+            "max_grad_norm": args.max_grad_norm,
             "parameter_fingerprints": [row[0] for row in replicas],
             "buffer_fingerprints": [row[1] for row in replicas],
         })
+        if args.metric_for_best is not None and not args.eval_only:
+            results.update({"metric_for_best": args.metric_for_best, "best_epoch": progress.best_epoch,
+                            f"best_{args.metric_for_best}": progress.best_metric,
+                            "stopped_early": progress.epoch < args.epochs})
         write_json_atomically(Path(args.output_dir) / "results.json", results)
         print(f"Wrote {Path(args.output_dir) / 'results.json'}", flush=True)
 

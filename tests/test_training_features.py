@@ -1,0 +1,216 @@
+"""The features users of accelerate's by_feature examples expect, in both training scripts: gradient clipping,
+early stopping with the best model kept, the profiler, trackers beyond TensorBoard (MLflow, W&B), and a batch
+size that backs off on out-of-memory."""
+
+import json
+import struct
+import sys
+
+import pytest
+import torch
+from helpers import MNIST_10K, REPO, assert_clean_user_error, launch, launcher_args, results, run
+from image_data import make_split_image_folder
+from oom_model import FITS, OutOfMemoryAboveBatchSize
+from safetensors.torch import load_file
+
+from utils.results import GradNorms
+
+TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+PATIENCE = 1
+STEPS_PER_EPOCH = 640 // (2 * 16 * 2)  # synthetic_mnist: 640 samples; 2 processes x 16 x 2 accumulation steps
+
+
+@pytest.fixture(scope="module")
+def early_stopped(synthetic_mnist, tmp_path_factory):
+    """2 processes, clipping every step, the best accuracy kept, stopping once it stops improving (the synthetic
+    digits reach 100% within a few epochs), profiled, logged to MLflow in a local SQLite store."""
+    out = tmp_path_factory.mktemp("early_stopped")
+    store = f"sqlite:///{out.parent / (out.name + '-mlflow.db')}"
+    proc = launch(["--data_dir", synthetic_mnist, "--output_dir", out, "--epochs", "12", "--batch_size", "16",
+                   "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.001", "--metric_for_best",
+                   "eval_accuracy", "--early_stopping_patience", PATIENCE, "--profile", "--report_to", "mlflow"],
+                  num_processes=2, env={"MLFLOW_TRACKING_URI": store})
+    return out, proc.stdout + proc.stderr, store, synthetic_mnist
+
+
+def mlflow_run(store: str, experiment: str):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=store)
+    (run_,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return client, run_
+
+
+def test_early_stopping_stops_every_process_after_patience_epochs_without_improvement(early_stopped):
+    out, _, store, _ = early_stopped
+    r = results(out)
+    client, run_ = mlflow_run(store, "train_mnist")
+    accuracy = [m.value for m in sorted(client.get_metric_history(run_.info.run_id, "eval_accuracy"),
+                                        key=lambda m: m.step)]
+    epochs_trained = len(accuracy)
+    assert r["stopped_early"] and epochs_trained < 12, accuracy
+    assert r["best_eval_accuracy"] == max(accuracy) and r["best_epoch"] == accuracy.index(max(accuracy)), accuracy
+    assert epochs_trained == r["best_epoch"] + 1 + PATIENCE  # stopped after exactly PATIENCE epochs without a gain
+    assert r["global_step"] == epochs_trained * STEPS_PER_EPOCH and r["samples_seen"] == epochs_trained * 640
+    assert r["eval_accuracy"] == accuracy[-1]  # the last epoch's, while best/ holds the best one
+    assert len(set(r["parameter_fingerprints"])) == 1  # both processes stopped after the same epoch, in step
+
+
+def test_gradients_are_clipped_once_per_optimizer_step_and_their_norms_logged(early_stopped):
+    out, _, store, _ = early_stopped
+    r = results(out)
+    # 20 batches per process and epoch, 10 optimizer steps: clipped on the sync steps only (a few steps of the
+    # converged model have gradients below even 0.001)
+    assert STEPS_PER_EPOCH // 2 < r["steps_clipped"] <= STEPS_PER_EPOCH, r
+    assert r["max_grad_norm"] == 0.001 and r["grad_norm_max"] >= r["grad_norm_mean"] > 0.001, r
+    client, run_ = mlflow_run(store, "train_mnist")
+    assert run_.data.metrics["grad_norm_mean"] == r["grad_norm_mean"]
+
+
+def test_mlflow_holds_the_flags_and_every_epochs_metrics(early_stopped):
+    out, _, store, _ = early_stopped
+    r = results(out)
+    client, run_ = mlflow_run(store, "train_mnist")
+    assert run_.data.params["max_grad_norm"] == "0.001" and run_.data.params["report_to"] == "mlflow"
+    losses = client.get_metric_history(run_.info.run_id, "eval_loss")
+    assert sorted(m.step for m in losses) == list(range(STEPS_PER_EPOCH, r["global_step"] + 1, STEPS_PER_EPOCH))
+    assert run_.data.metrics["eval_loss"] == r["eval_loss"] and run_.data.metrics["train_loss"] == r["train_loss"]
+
+
+def test_best_holds_the_best_epochs_plain_weights_and_eval_only_evaluates_them(early_stopped, tmp_path):
+    out, _, _, data = early_stopped
+    r = results(out)
+    best, final = load_file(out / "best" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert best.keys() == final.keys() and not any(k.startswith(("module.", "_orig_mod.")) for k in best)
+    assert json.loads((out / "best" / "training_state.json").read_text())["best_epoch"] == r["best_epoch"]
+    # evaluated alone, on another process count, best/ gives the accuracy it was kept for
+    eval_out = tmp_path / "eval"
+    eval_out.mkdir()
+    (eval_out / "best").symlink_to(out / "best")
+    launch(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
+    assert results(eval_out)["eval_accuracy"] == r["best_eval_accuracy"]
+
+
+def test_profile_writes_one_trace_per_process_and_prints_the_top_operators(early_stopped):
+    out, output, _, _ = early_stopped
+    traces = sorted((out / "profile").glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"], traces
+    for trace in traces:
+        steps = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+                 if e.get("name", "").startswith("ProfilerStep#")}
+        assert len(steps) == 5, steps  # the active window, after the warm-up the meter also leaves out
+    assert "top operators by self cpu time total" in output and "aten::" in output
+
+
+def test_resume_from_best_without_eval_only_is_one_line(tmp_path):
+    proc = run([sys.executable, REPO / "scripts" / "train_mnist.py", "--cpu", "--output_dir", tmp_path,
+                "--resume_from_checkpoint", "best"], check=False)
+    assert_clean_user_error(proc, "--resume_from_checkpoint best", "--eval_only")
+
+
+def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from utils.flags import build_mnist_parser, check_flag_combinations
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    parser = build_mnist_parser("test")
+    with pytest.raises(SystemExit) as exit_:
+        check_flag_combinations(parser, parser.parse_args(["--report_to", "wandb"]))
+    assert exit_.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith(
+        ": --report_to wandb: the wandb package is not installed; pip install -r requirements-trackers.txt (see --help)")
+
+
+def test_with_tracking_is_report_to_tensorboard_and_all_is_every_installed_tracker():
+    from utils.flags import build_mnist_parser, check_flag_combinations
+
+    parser = build_mnist_parser("test")
+    for argv, expected in ((["--with_tracking"], ["tensorboard"]), ([], []),
+                           (["--report_to", "mlflow", "--with_tracking"], ["mlflow", "tensorboard"])):
+        args = parser.parse_args(argv)
+        check_flag_combinations(parser, args)
+        assert args.report_to == expected, argv
+    args = parser.parse_args(["--report_to", "all"])
+    check_flag_combinations(parser, args)
+    assert "tensorboard" in args.report_to and set(args.report_to) <= {"tensorboard", "mlflow", "wandb"}
+
+
+def wandb_records(path):
+    """The records of a W&B offline run file (LevelDB's log format: 32 KiB blocks of chunks, each with a 7-byte
+    header; W&B puts its own 7-byte header first). wandb >= 0.19 no longer ships a Python reader."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B", data[:7]
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_the_metrics(synthetic_mnist, tmp_path):
+    pytest.importorskip("wandb", reason="wandb is an optional install: pip install -r requirements-trackers.txt")
+    out = tmp_path / "out"
+    launch(["--data_dir", synthetic_mnist, "--output_dir", out, "--epochs", "1", "--report_to", "wandb"],
+           env={"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true"})
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = {}
+    for record in wandb_records(run_file):
+        if record.WhichOneof("record_type") == "history":
+            logged.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                           for item in record.history.item})
+    assert logged["eval_accuracy"] == results(out)["eval_accuracy"] and logged["_step"] == results(out)["global_step"]
+
+
+def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batch(tmp_path):
+    data = make_split_image_folder(tmp_path / "images", train_per_class=40, val_per_class=4)
+    out = tmp_path / "out"
+    proc = launch(["--data_dir", data, "--output_dir", out, "--model", "tests.oom_model:small_cnn_out_of_memory_above_16",
+                   "--image_size", "32", "--epochs", "1", "--num_workers", "0", "--batch_size", "32",
+                   "--auto_find_batch_size", "--max_grad_norm", "1.0"],
+                  num_processes=2, script=TRAIN_IMAGE_CLASSIFIER)
+    r = results(out)
+    assert r["batch_size_per_process"] == FITS and r["gradient_accumulation_steps"] == 32 // FITS
+    assert r["global_batch_size"] == 2 * 32 and r["global_step"] == r["train_size"] // 64 == 2
+    assert r["samples_seen"] == 2 * 64 and r["eval_samples"] == 16
+    assert "--batch_size 32 runs out of memory, 16 fits (tried [32, 16])" in proc.stdout + proc.stderr
+    assert 0 < r["grad_norm_mean"] and r["steps_clipped"] <= r["global_step"]
+
+
+def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
+    from accelerate import Accelerator
+
+    from utils.batch_size import fit_batch_size
+    from utils.checkpoints import TrainingProgress
+    from utils.errors import UserError
+    from utils.flags import build_mnist_parser
+
+    args = build_mnist_parser("test").parse_args(["--batch_size", "8", "--cpu"])
+    accelerator = Accelerator(cpu=True)
+    progress = TrainingProgress()
+    progress.adapt_to(accelerator, args, resuming=False)
+    model = OutOfMemoryAboveBatchSize(num_classes=10, fits=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    dataset = [(torch.zeros(3, 8, 8), 0)] * 4
+    with pytest.raises(UserError, match="even a batch of 1 runs out of memory"):
+        fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resuming=False)
+
+
+def test_grad_norms_count_finite_norms_and_clipped_steps():
+    norms = GradNorms(torch.device("cpu"), max_norm=1.0)
+    for value in (0.5, 3.0, float("inf"), 2.0):
+        norms.add(torch.tensor(value))
+    assert norms.take() == {"grad_norm_mean": pytest.approx(5.5 / 3), "grad_norm_max": 3.0, "steps_clipped": 2}
+    assert norms.take()["grad_norm_mean"] is None  # taken: the next epoch starts afresh
+    assert GradNorms(torch.device("cpu"), max_norm=None).take() == {}

@@ -1,0 +1,73 @@
+"""--auto_find_batch_size: the largest per-process batch (halving from --batch_size) whose training step fits."""
+
+import torch
+import torch.nn.functional as F
+from accelerate.logging import get_logger
+from accelerate.utils import find_executable_batch_size
+from torch.utils.data import default_collate
+
+from utils.checkpoints import gradient_accumulation_for
+from utils.errors import UserError
+
+logger = get_logger(__name__)
+
+
+def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resuming: bool) -> None:
+    """Collective; call before the DataLoaders are built and before `prepare`. Sets `args.batch_size` to the
+    largest of --batch_size, half of it, a quarter... with which one training step (forward under the run's
+    autocast, backward, optimizer step) on real samples does not run out of memory, on every process, then
+    sets the gradient accumulation that keeps the global batch where one does (on a resume it must), and logs
+    what it chose. The probe's step is undone: weights, BatchNorm statistics and optimizer state are restored.
+
+    Each process probes alone, on the unwrapped model (no DDP, so no collective can hang on a process that ran out
+    of memory), then all agree on the smallest fitting size. DDP's gradient buckets (one more copy of the
+    gradients) are not in the probe: leave that much headroom.
+    """
+    requested = args.batch_size
+    model.to(accelerator.device)
+    saved_weights = {name: tensor.to("cpu", copy=True) for name, tensor in model.state_dict().items()}
+    tried = []
+
+    def halve():
+        return tried[-1] // 2
+
+    @find_executable_batch_size(starting_batch_size=requested, reduce_batch_size_fn=halve)  # [accelerate]
+    def one_training_step(batch_size):
+        tried.append(batch_size)
+        images, labels = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
+        images, labels = images.to(accelerator.device), labels.to(accelerator.device)
+        try:
+            with accelerator.autocast():  # [accelerate] the precision the run trains in
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            optimizer.step()  # allocates the optimizer state (Adam: two more copies of the weights)
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+            del images, labels
+        return batch_size
+
+    try:
+        fits = one_training_step()
+    except RuntimeError as err:
+        if "No executable batch size found" not in str(err):
+            raise
+        raise UserError("--auto_find_batch_size: even a batch of 1 runs out of memory; use a smaller model, "
+                        "--mixed_precision bf16/fp16, or a device with more memory") from None
+    finally:
+        model.load_state_dict(saved_weights)
+        optimizer.state.clear()  # no moments or step counts from the probe's step
+    # [accelerate] the smallest size that fits on every process, so all train with the same batch
+    fits = int(accelerator.gather(torch.tensor([fits], device=accelerator.device)).min().item())
+    if fits == requested:
+        logger.info(f"--auto_find_batch_size: --batch_size {requested} fits", main_process_only=True)
+        return
+    args.batch_size, per_step = fits, accelerator.num_processes * fits
+    if resuming:  # the checkpoint's global batch must be kept, or one error line names flags that keep it
+        args.gradient_accumulation_steps = gradient_accumulation_for(progress, accelerator.num_processes, args)
+    elif progress.global_batch_size % per_step == 0:  # where it can, keep the global batch the flags asked for
+        args.gradient_accumulation_steps = progress.global_batch_size // per_step
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate]
+    progress.adapt_to(accelerator, args, resuming=False)  # records the global batch now in effect
+    logger.info(f"--auto_find_batch_size: --batch_size {requested} runs out of memory, {fits} fits (tried "
+                f"{tried}); with --gradient_accumulation_steps {args.gradient_accumulation_steps} the global batch is "
+                f"{progress.global_batch_size}", main_process_only=True)
