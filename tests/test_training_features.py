@@ -178,7 +178,7 @@ def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batc
     out = tmp_path / "out"
     proc = launch(["--data_dir", data, "--output_dir", out, "--model", "tests.oom_model:small_cnn_out_of_memory_above_16",
                    "--image_size", "32", "--epochs", "1", "--num_workers", "0", "--batch_size", "32",
-                   "--auto_find_batch_size", "--max_grad_norm", "1.0"],
+                   "--auto_find_batch_size", "--max_grad_norm", "1.0", "--metric_for_best", "eval_loss"],
                   num_processes=2, script=TRAIN_IMAGE_CLASSIFIER)
     r = results(out)
     assert r["batch_size_per_process"] == FITS and r["gradient_accumulation_steps"] == 32 // FITS
@@ -186,6 +186,8 @@ def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batc
     assert r["samples_seen"] == 2 * 64 and r["eval_samples"] == 16
     assert "--batch_size 32 runs out of memory, 16 fits (tried [32, 16])" in proc.stdout + proc.stderr
     assert 0 < r["grad_norm_mean"] and r["steps_clipped"] <= r["global_step"]
+    assert r["best_epoch"] == 0 and r["best_eval_loss"] == r["eval_loss"] and not r["stopped_early"]
+    assert load_file(out / "best" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
 
 
 def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
