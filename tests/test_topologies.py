@@ -3,14 +3,13 @@
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, results, run, skip_or_fail_in_ci
+from helpers import REPO, TRAIN_MNIST, results, run
 
 CONFIG_DIR = REPO / "accelerate_configs"
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -100,43 +99,7 @@ def test_busy_port_on_machine_0_of_several_stops_with_a_clear_message(busy_port,
 
 # ---------------------------------------------------------------- two machines
 
-
-@pytest.fixture(scope="module")
-def two_machines():
-    """Machine 0 and machine 1 as two network namespaces joined by a veth pair, each with its
-    own address: [(command prefix, address, interface)] for machines 0 and 1. Where namespaces
-    cannot be made (not root, no `ip`) the test skips, saying why (in CI it fails): loopback on one
-    machine would not show that the processes find each other across a network."""
-    tag = f"acc{os.getpid() % 100000}"
-    namespaces, links = [f"{tag}m0", f"{tag}m1"], [f"{tag}v0", f"{tag}v1"]
-    subnet = f"10.213.{os.getpid() % 250}"
-    addresses = [f"{subnet}.1", f"{subnet}.2"]
-    setup = [
-        *(["ip", "netns", "add", ns] for ns in namespaces),
-        ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]],
-        *(["ip", "link", "set", link, "netns", ns] for link, ns in zip(links, namespaces)),
-        *(["ip", "-n", ns, "addr", "add", f"{address}/30", "dev", link]
-          for ns, address, link in zip(namespaces, addresses, links)),
-        *(["ip", "-n", ns, "link", "set", dev, "up"] for ns, link in zip(namespaces, links) for dev in ("lo", link)),
-    ]
-    problem = None
-    if shutil.which("ip") is None:
-        problem = "the `ip` command (Debian package iproute2) is missing"
-    elif os.geteuid() != 0:
-        problem = "creating network namespaces needs root"
-    else:
-        for cmd in setup:
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                problem = f"`{' '.join(cmd)}` failed: {proc.stderr.strip()}"
-                break
-    try:
-        if problem is not None:
-            skip_or_fail_in_ci(f"two machines as network namespaces: {problem}")
-        yield [(["ip", "netns", "exec", ns], address, link) for ns, address, link in zip(namespaces, addresses, links)]
-    finally:
-        for ns in namespaces:  # deleting a namespace deletes its end of the veth pair, and so the pair
-            subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
+# (the `two_machines` fixture lives in conftest.py: tests/test_two_machine_restart.py uses it too)
 
 
 def test_two_machines_form_one_group_and_match_one_machine_with_two_processes(
