@@ -46,10 +46,17 @@ from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gr
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import build_parser, check_flag_combinations, non_negative_float, positive_int, tracker_config  # noqa: E402
 from utils.hangs import collective_timeouts_named  # noqa: E402
-from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform  # noqa: E402
+from utils.image_data import (  # noqa: E402
+    TransformedImages,
+    default_hflip,
+    eval_transform,
+    load_image_datasets,
+    resolve_augmentation,
+    train_transform,
+)
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
-from utils.models import build_model  # noqa: E402
+from utils.models import build_model, stem_of  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, create_output_dir, report_run  # noqa: E402
@@ -76,11 +83,26 @@ def parse_args(argv=None):
     data.add_argument("--label_column", default=None, help="default: the dataset's ClassLabel column")
     data.add_argument("--val_split", type=float, default=0.2, help="fraction held out when there is no val split")
     data.add_argument("--image_size", type=positive_int, default=224, help="side of the square crops fed to the model")
+    data.add_argument(
+        "--augmentation", choices=["auto", "imagenet", "small", "none"], default="auto",
+        help="training recipe; auto: imagenet (random resized crops) from 128 px up, below it small (whole image, "
+             "mild scale jitter, padded random crop); none: resize only. Evaluation crops only in the imagenet recipe",
+    )
+    flips = data.add_mutually_exclusive_group()
+    flips.add_argument("--hflip", action="store_true", default=None,
+                       help="random horizontal flips; default: on in the imagenet recipe (photos), off otherwise")
+    flips.add_argument("--no_hflip", dest="hflip", action="store_false",
+                       help="no flips, where orientation matters: digits, text, icons")
     data.add_argument("--num_workers", type=int, default=4, help="DataLoader processes per process (decode, augment)")
 
     model = parser.add_argument_group("model and optimisation")
     model.add_argument("--model", default="resnet18", help="torchvision model name, or module:function(num_classes)")
     model.add_argument("--pretrained", action="store_true", help="start from torchvision's ImageNet weights")
+    model.add_argument(
+        "--stem", choices=["auto", "imagenet", "small"], default="auto",
+        help="ResNets' first layers; small: 3x3 stride-1 conv, no max-pool (fresh weights); auto: small up to 64 px "
+             "unless --pretrained",
+    )
     model.add_argument(
         "--optimizer", choices=["sgd", "adamw"], default="sgd",
         help="sgd (momentum): lr 0.1, weight decay 1e-4; adamw: lr 1e-3, weight decay 0.05 (unless given)",
@@ -112,6 +134,9 @@ def parse_args(argv=None):
         args.learning_rate = DEFAULT_LEARNING_RATE[args.optimizer]
     if args.weight_decay is None:
         args.weight_decay = DEFAULT_WEIGHT_DECAY[args.optimizer]
+    args.augmentation = resolve_augmentation(args.augmentation, args.image_size)
+    if args.hflip is None:
+        args.hflip = default_hflip(args.augmentation)
     return args
 
 
@@ -186,11 +211,12 @@ def main(args):
     if args.max_eval_samples is not None:
         eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
     columns = (image_column, label_column)
-    train_dataset = TransformedImages(train_split, train_transform(args.image_size), *columns, seed=args.seed)
-    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size), *columns)
+    train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
+    train_dataset = TransformedImages(train_split, train_transforms, *columns, seed=args.seed)
+    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
     with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
         model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained,
-                            image_size=args.image_size)
+                            image_size=args.image_size, stem=args.stem)
     if args.sync_bn:
         # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -325,6 +351,9 @@ def main(args):
         "lr_scheduler_steps": lr_scheduler.scheduler.last_epoch,
         "model": args.model,
         "image_size": args.image_size,
+        "augmentation": args.augmentation,  # the recipe --augmentation auto chose
+        "hflip": args.hflip,
+        "stem": stem_of(accelerator.unwrap_model(model, keep_torch_compile=False)),  # ResNets: small or imagenet
         "class_names": class_names,  # class id i is class_names[i]
         "train_size": len(train_dataset),
     })

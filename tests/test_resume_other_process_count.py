@@ -104,8 +104,8 @@ def test_train_image_classifier_resumes_mid_epoch_on_one_process(tmp_path_factor
     """240 training images, 2 processes x 8 x 2 = 32 per step: 7 steps per epoch on any process count
     (whole global batches only; the 16 images left over change with each epoch's shuffle)."""
     folder = make_split_image_folder(tmp_path_factory.mktemp("resume_images"))
-    common = ["--data_dir", folder, "--model", "resnet18", "--image_size", "32", "--optimizer", "adamw",
-              "--num_workers", "0", "--epochs", "2", "--batch_size", "8", "--gradient_accumulation_steps", "2"]
+    common = ["--data_dir", folder, "--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer",
+              "adamw", "--num_workers", "0", "--epochs", "2", "--batch_size", "8", "--gradient_accumulation_steps", "2"]
     saved = tmp_path / "saved"
     launch([*common, "--output_dir", saved, "--checkpointing_steps", "3"], num_processes=2, script=CLASSIFIER)
     resumed = tmp_path / "resumed"

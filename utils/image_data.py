@@ -93,19 +93,51 @@ def _first_line(err) -> str:
     return (str(err).strip().splitlines() or [""])[0][:200]
 
 
-def train_transform(image_size: int):
+# --augmentation auto: the ImageNet recipe from this side up; below it, the small-image one.
+SMALL_IMAGE_LIMIT = 128
+
+
+def resolve_augmentation(augmentation: str, image_size: int) -> str:
+    """--augmentation {auto,imagenet,small,none} -> the recipe: auto picks by the image size."""
+    if augmentation == "auto":
+        return "imagenet" if image_size >= SMALL_IMAGE_LIMIT else "small"
+    return augmentation
+
+
+def default_hflip(recipe: str) -> bool:
+    """Horizontal flips by default for photos (the ImageNet recipe) only: small images are as often digits,
+    text, icons or scans, where a mirror image is another symbol."""
+    return recipe == "imagenet"
+
+
+def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = True):
+    """imagenet: RandomResizedCrop (8-100% of the area) as in torchvision's recipes. small: the whole image
+    resized, a mild scale jitter (90-110%) and a random crop from a reflect-padded copy (pad 1/8 of the side), as in
+    CIFAR recipes; a random crop of 8% of a 32-pixel image would leave a few pixels. none: the image resized."""
+    if recipe == "imagenet":
+        geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
+    elif recipe == "small":
+        geometry = [v2.Resize((image_size, image_size), antialias=True), v2.RandomAffine(degrees=0, scale=(0.9, 1.1)),
+                    v2.RandomCrop(image_size, padding=image_size // 8, padding_mode="reflect")]
+    else:
+        geometry = [v2.Resize((image_size, image_size), antialias=True)]
     return v2.Compose([
-        v2.RandomResizedCrop(image_size, antialias=True),
-        v2.RandomHorizontalFlip(),
+        *geometry,
+        *([v2.RandomHorizontalFlip()] if hflip else []),
         v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])
 
 
-def eval_transform(image_size: int):
+def eval_transform(image_size: int, recipe: str = "imagenet"):
+    """imagenet: resize to size/0.875, then the central crop (256 -> 224, the usual ImageNet ratio). small and
+    none: the whole image resized to the size: the central crop would cut the borders off small images."""
+    if recipe == "imagenet":
+        geometry = [v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size)]
+    else:
+        geometry = [v2.Resize((image_size, image_size), antialias=True)]
     return v2.Compose([
-        v2.Resize(round(image_size / 0.875), antialias=True),  # 256 for 224: the usual ImageNet ratio
-        v2.CenterCrop(image_size),
+        *geometry,
         v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
     ])

@@ -3,6 +3,7 @@
 import importlib
 
 from torch import nn
+from torchvision.models import ResNet  # resnet*, resnext*, wide_resnet*
 
 from utils.errors import UserError
 
@@ -34,14 +35,45 @@ class ConvNet(nn.Module):
         return self.fc(x.flatten(1))
 
 
-def build_model(name: str, num_classes: int, pretrained: bool = False, image_size=None) -> nn.Module:
+# --stem auto: the small-image stem for ResNets up to this image side.
+SMALL_STEM_LIMIT = 64
+
+
+def build_model(name: str, num_classes: int, pretrained: bool = False, image_size=None, stem: str = "imagenet"):
     """A torchvision classification model by name ("resnet18", "resnet50", ...) with
     `num_classes` outputs, or `package.module:function` called as function(num_classes=N).
+    `stem` (ResNets; see use_small_image_stem): "imagenet" leaves the model as built, "small" swaps the stem,
+    "auto" swaps it up to SMALL_STEM_LIMIT pixels unless the weights are pretrained.
     With `image_size`, one image of that size goes through it first (see check_image_size)."""
     model = _build(name, num_classes, pretrained)
+    is_resnet = isinstance(model, ResNet)
+    if stem == "small" and not is_resnet:
+        raise UserError(f"--stem small replaces a ResNet's first layers; --model {name} is not a ResNet: "
+                        f"drop --stem (or use resnet18/resnet50/resnext/wide_resnet)")
+    if stem == "small" or (stem == "auto" and is_resnet and not pretrained and image_size is not None
+                           and image_size <= SMALL_STEM_LIMIT):
+        use_small_image_stem(model)
     if image_size is not None:
         check_image_size(model, name, image_size)
     return model
+
+
+def use_small_image_stem(model: "ResNet") -> None:
+    """The CIFAR-style stem: a 3x3 stride-1 first convolution and no max-pool, in place of the 7x7 stride-2
+    convolution and the max-pool that shrink an ImageNet image 4x before the first block; on a 32-pixel
+    image those leave 8x8 feature maps for the first block and 1x1 for the last (16x the compute of the
+    ImageNet stem at 32 px). The new convolution is freshly initialised, also on a pretrained model."""
+    old = model.conv1
+    model.conv1 = nn.Conv2d(old.in_channels, old.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision's ResNet
+    model.maxpool = nn.Identity()
+
+
+def stem_of(model: nn.Module):
+    """Which stem a ResNet has ("small" or "imagenet"), for results.json; None for other models."""
+    if not isinstance(model, ResNet):
+        return None
+    return "small" if isinstance(model.maxpool, nn.Identity) and model.conv1.stride == (1, 1) else "imagenet"
 
 
 def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
