@@ -3,7 +3,11 @@ slurmd daemons (`node1`, `node2`, both at 127.0.0.1 on their own ports), from De
 slurmctld/slurmd/slurm-client/munge packages.
 
 Each node declares 4 GPUs backed by empty files: Slurm counts and allocates them (so
-SLURM_GPUS_ON_NODE is real), nothing opens them, and the jobs train on the CPU.
+SLURM_GPUS_ON_NODE is real), nothing opens them, and the jobs train on the CPU. Each node
+also declares this machine's CPUs, and Slurm binds every job to the CPUs it allocated
+(task/affinity, as clusters that bind cores do). A second partition, `urgent`, preempts
+the jobs of the default one, the way a cluster without `--signal` at preemption does it:
+SIGTERM, then SIGKILL after KillWait.
 Everything lives in one temporary folder; the daemons are stopped by their pid files.
 """
 
@@ -22,6 +26,7 @@ from helpers import skip_or_fail_in_ci
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("node1", "node2")
 GPUS_PER_NODE = 4
+CPUS_PER_NODE = len(os.sched_getaffinity(0))  # the CPUs this machine lets us use, all of them on each node
 
 
 def skip_with_reason(reason: str):
@@ -70,10 +75,10 @@ class SlurmCluster:
         hostname = socket.gethostname()
         node_lines = "\n".join(  # one line per node: the two ports need not be consecutive
             f"NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={port} "
-            f"CPUs={os.cpu_count() or 1} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            f"CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
             for node, port in zip(NODES, node_ports)
         )
-        r = self.root
+        r, nodes = self.root, ",".join(NODES)
         self.conf.write_text(f"""\
 ClusterName=pytest
 SlurmctldHost={hostname}(127.0.0.1)
@@ -89,9 +94,10 @@ SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
 SlurmdLogFile={r}/log/slurmd-%n.log
-# No cgroups in a container: track job processes by process group, bind nothing.
+# No cgroups in a container: track job processes by process group; bind each task to its
+# allocated CPUs with sched_setaffinity, which needs no cgroups.
 ProctrackType=proctrack/pgid
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
@@ -106,7 +112,12 @@ KillWait=10
 MinJobAge=4
 GresTypes=gpu
 {node_lines}
-PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
+# The tests run two jobs side by side on this machine's few CPUs: up to 2 jobs share a CPU
+# (never a GPU). A job in `urgent` cancels the `debug` jobs in its way at once (GraceTime 0).
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
+PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2 PriorityTier=1
+PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
 """)
         (self.root / "gres.conf").write_text(
             "AutoDetect=off\n" + f"Name=gpu File={self.root}/fake-gpu[0-{GPUS_PER_NODE - 1}]\n"
@@ -130,8 +141,9 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
             self.run("slurmd", "-f", self.conf, "-N", node)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            states = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
-            if states.count("idle") == len(NODES):
+            # one line per node and partition
+            states = set(self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.splitlines())
+            if states == {f"{node} idle" for node in NODES}:
                 return
             time.sleep(0.3)
         raise RuntimeError(f"nodes not idle after 30 s (sinfo: {' '.join(states)})\n{self.log_tail()}")

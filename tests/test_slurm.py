@@ -2,15 +2,18 @@
 this machine (tests/slurm_cluster.py), in CPU mode, and checked by their results.json."""
 
 import math
+import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results, training_processes
-from slurm_cluster import start_cluster
+from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, start_cluster
 
 from utils.checkpoints import find_latest_checkpoint
 
@@ -48,11 +51,12 @@ def script_args(data, output_dir, *extra):
             "--epochs", str(EPOCHS), "--batch_size", str(BATCH_SIZE), *extra]
 
 
-def submit(cluster, log_dir, gpus_per_node, batch_script, args) -> subprocess.Popen:
-    """`sbatch --wait` in CPU mode, from the repository root as users submit; returns at once."""
-    cmd = ["sbatch", "--wait", "--parsable", f"--gpus-per-node={gpus_per_node}", f"--output={log_dir}/%x-%j.out",
-           SLURM_DIR / batch_script, *args]
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**cluster.env, "CPU": "1"},
+def submit(cluster, log_dir, gpus_per_node, batch_script, args, cpus_per_gpu=1, env=None) -> subprocess.Popen:
+    """`sbatch --wait` in CPU mode, from the repository root as users submit; returns at once.
+    --cpus-per-gpu: the scripts ask for 8, more than the test nodes have."""
+    cmd = ["sbatch", "--wait", "--parsable", f"--gpus-per-node={gpus_per_node}", f"--cpus-per-gpu={cpus_per_gpu}",
+           f"--output={log_dir}/%x-%j.out", SLURM_DIR / batch_script, *args]
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**cluster.env, "CPU": "1", **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -70,22 +74,68 @@ def finish(cluster, sbatch: subprocess.Popen, job_id: str, log_dir, timeout=300)
     return logs
 
 
+def sigterm_in_masks(proc, *masks) -> bool:
+    """SIGTERM in any of the process's signal masks in /proc (SigPnd, SigCgt...)."""
+    values = [int(line.split()[1], 16) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+              if line.startswith(tuple(f"{mask}:" for mask in masks))]
+    return any(value & (1 << (signal.SIGTERM - 1)) for value in values)
+
+
 def sigterm_is_pending(proc) -> bool:
-    """Sent to the process but not yet handled (it is stopped): /proc's pending-signal masks."""
-    masks = [int(line.split()[1], 16) for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-             if line.startswith(("SigPnd:", "ShdPnd:"))]
-    return any(mask & (1 << (signal.SIGTERM - 1)) for mask in masks)
+    """Sent to the process but not yet handled (it is stopped)."""
+    return sigterm_in_masks(proc, "SigPnd", "ShdPnd")
 
 
-def preempt_mid_epoch(cluster, jobs: dict, num_processes=2, timeout=180) -> dict:
-    """USR1 to each job's batch shell once its epoch_0 is saved, as `--signal=B:USR1@120`
-    sends it before the time limit. `jobs`: name -> (sbatch, output_dir); returns the job ids.
+class KillRankOnNode2:
+    """For preempt_mid_epoch: at the first checkpoint, SIGKILL the training process on node2; ready once
+    the launchers have started new processes on both nodes and these catch SIGTERM (--save_on_signal's
+    handler is set, early in the script: they will take the preemption's signal as the first ones did)."""
+
+    def __init__(self):
+        self.dead = None
+
+    def __call__(self, output_dir) -> bool:
+        try:
+            workers = training_processes(output_dir)
+            if self.dead is None:
+                if find_latest_checkpoint(output_dir) is not None:
+                    (worker,) = [w for w in workers if w.environ().get("SLURMD_NODENAME") == "node2"]
+                    worker.kill()
+                    self.dead = {w.pid for w in workers}
+                return False
+            return (len(workers) == 2 and not self.dead & {w.pid for w in workers}
+                    and all(sigterm_in_masks(w, "SigCgt") for w in workers))
+        except (psutil.NoSuchProcess, FileNotFoundError):  # a process of the first attempt just ended
+            return False
+
+
+def first_checkpoint(output_dir) -> bool:
+    return find_latest_checkpoint(output_dir) is not None
+
+
+def usr1_to_batch_scripts(cluster, job_ids: dict) -> None:
+    """What `--signal=B:USR1@120` sends before the time limit."""
+    for job_id in job_ids.values():
+        cluster.run("scancel", "--batch", "--signal=USR1", job_id)
+
+
+def preempt_by_urgent_job(cluster, job_ids: dict) -> None:
+    """A job of the `urgent` partition that needs every GPU: Slurm cancels the jobs in its way (GraceTime 0),
+    SIGTERM to every process of theirs, batch scripts included, and SIGKILL 10 s (KillWait) later."""
+    cluster.run("sbatch", "--partition=urgent", f"--nodes={len(NODES)}", f"--gpus-per-node={GPUS_PER_NODE}",
+                "--output=/dev/null", "--wrap=true")
+
+
+def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=None, num_processes=2, timeout=180):
+    """`preempt(cluster, job_ids)` once every job's epoch_0 is saved (or `ready[name](output_dir)`).
+    `jobs`: name -> (sbatch, output_dir); returns the job ids and the CPUs each job's training
+    processes may run on.
 
     The tiny model trains an epoch in about a second, so that the signal surely lands
-    mid-epoch each job's training processes are frozen (SIGSTOP) from just before the USR1
-    until the SIGTERM that its batch script makes of it has reached each of them; then
-    they go on. Every step of the signal's way (Slurm, batch script, launcher, training
-    processes) is the real one.
+    mid-epoch each job's training processes are frozen (SIGSTOP) from their first checkpoint
+    until the SIGTERM that the preemption becomes has reached each of them; then they go on.
+    Every step of the signal's way (Slurm, batch script, launcher, training processes) is the
+    real one.
     """
     # --parsable prints the id when the job is submitted
     job_ids = {name: sbatch.stdout.readline().split(";")[0].strip() for name, (sbatch, _) in jobs.items()}
@@ -96,15 +146,16 @@ def preempt_mid_epoch(cluster, jobs: dict, num_processes=2, timeout=180) -> dict
             for name, (sbatch, output_dir) in jobs.items():
                 if name in frozen:
                     continue
-                assert sbatch.poll() is None, f"{name} ended before its first checkpoint\n{cluster.log_tail()}"
-                if find_latest_checkpoint(output_dir) is not None:
+                assert sbatch.poll() is None, f"{name} ended before it was preempted\n{cluster.log_tail()}"
+                if (ready or {}).get(name, first_checkpoint)(output_dir):
                     frozen[name] = training_processes(output_dir)
                     assert len(frozen[name]) == num_processes, frozen[name]
                     for worker in frozen[name]:
                         worker.suspend()
-                    cluster.run("scancel", "--batch", "--signal=USR1", job_ids[name])
-            assert time.monotonic() < deadline, f"no checkpoint after {timeout} s\n{cluster.log_tail()}"
+            assert time.monotonic() < deadline, f"{set(jobs) - set(frozen)} not ready\n{cluster.log_tail()}"
             time.sleep(0.02)
+        cpus = {name: [set(worker.cpu_affinity()) for worker in group] for name, group in frozen.items()}
+        preempt(cluster, job_ids)
         workers = [worker for group in frozen.values() for worker in group]
         while not all(sigterm_is_pending(worker) for worker in workers):
             assert time.monotonic() < deadline, f"no SIGTERM reached the training\n{cluster.log_tail()}"
@@ -112,7 +163,7 @@ def preempt_mid_epoch(cluster, jobs: dict, num_processes=2, timeout=180) -> dict
     finally:
         for worker in (worker for group in frozen.values() for worker in group):
             worker.resume()
-    return job_ids
+    return job_ids, cpus
 
 
 def start_when_requeued(cluster, sbatch: subprocess.Popen, job_id, timeout=180) -> None:
@@ -135,10 +186,31 @@ def jobs(cluster, data, tmp_path_factory):
         "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
         "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes")),
     }
-    job_ids = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()})
+    job_ids, _ = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()})
     for name, sbatch in submitted.items():
         start_when_requeued(cluster, sbatch, job_ids[name])
     return {name: (root / name, job_ids[name], finish(cluster, sbatch, job_ids[name], root))
+            for name, sbatch in submitted.items()}
+
+
+@pytest.fixture(scope="module")
+def term_jobs(cluster, data, tmp_path_factory):
+    """Both batch scripts again, preempted in their second epoch by a cluster that sends no USR1
+    at preemption, only SIGTERM (preempt_by_urgent_job). The two-node job asks for all CPUs of
+    each node (its two nodes share this machine's cores: one thread per process, or they spin
+    against each other), and after epoch_0 loses its training process on node2 (KillRankOnNode2):
+    the launchers restart the processes of both nodes, and these are preempted."""
+    root = tmp_path_factory.mktemp("slurm_term_jobs")
+    submitted = {
+        "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
+        "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"),
+                            cpus_per_gpu=CPUS_PER_NODE, env={"OMP_NUM_THREADS": "1"}),
+    }
+    job_ids, cpus = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()},
+                                      preempt=preempt_by_urgent_job, ready={"two_nodes": KillRankOnNode2()})
+    for name, sbatch in submitted.items():
+        start_when_requeued(cluster, sbatch, job_ids[name])
+    return {name: (root / name, cpus[name], finish(cluster, sbatch, job_ids[name], root))
             for name, sbatch in submitted.items()}
 
 
@@ -164,7 +236,7 @@ def test_multinode_job_runs_one_machine_rank_per_node(jobs):
     assert "2 nodes x 1 processes" in log
     # each srun task got its own rank, on its own node (not machine_rank 0 everywhere)
     assert "node1: machine_rank 0" in log and "node2: machine_rank 1" in log
-    port = 20000 + int(job_id) % 20000
+    port = 15000 + int(job_id) % 15000  # below Linux's ephemeral ports, 32768 and up
     assert f"machine 0 at 127.0.0.1:{port}" in log
 
 
@@ -183,17 +255,65 @@ def test_preempted_job_saved_at_the_signal_requeued_and_resumed_from_there(jobs,
     assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
 
 
-def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs):
-    """Same world size, same data: neither the topology nor where the requeue fell changes a bit."""
-    one, two = results(jobs["one_node"][0]), results(jobs["two_nodes"][0])
-    for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
-                "global_step", "samples_seen"):
-        assert one[key] == two[key], key
+@pytest.mark.parametrize("name", ["one_node", "two_nodes"])
+def test_job_preempted_with_sigterm_only_requeues_itself_and_resumes(term_jobs, name):
+    """No USR1: the batch script, killed by that SIGTERM before, now traps it and requeues the job,
+    because scontrol shows it preempted (a user's scancel is not requeued)."""
+    output_dir, _, log = term_jobs[name]
+    assert "TERM: preempted" in log and ", run 2" in log and "USR1" not in log, log[-3000:]
+    stopped = STOPPED_BY_SIGNAL.search(log)
+    assert stopped, f"no checkpoint at the signal:\n{log[-3000:]}"
+    step = int(stopped[1])
+    assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH
+    r = results(output_dir)
+    assert r["resumed_from"] == stopped[2] == str(output_dir / f"step_{step}")
+    assert_complete_run(r, num_processes=2)
+
+
+def test_multinode_launchers_restart_processes_after_a_rank_on_another_node_died(term_jobs):
+    """--max_restarts with the c10d rendezvous across Slurm nodes: inside the job's first run both
+    nodes' processes started again and resumed from epoch_0 (then the preemption stopped them)."""
+    output_dir, _, log = term_jobs["two_nodes"]
+    first_run = log.split(", run 2")[0]
+    assert f"Resumed from {output_dir / 'epoch_0'}:" in first_run, first_run[-3000:]
+
+
+@pytest.mark.parametrize("name", ["one_node", "two_nodes"])
+def test_training_processes_are_bound_to_all_cpus_the_job_has_on_their_node(term_jobs, name):
+    """Slurm binds each job to its CPUs here (task/affinity). one_node: --cpus-per-gpu=1 with 2 GPUs;
+    two_nodes: --cpus-per-gpu=CPUS_PER_NODE with 1 GPU per node. Before, srun ran each node's
+    launcher with --cpus-per-task=1 and every process of the node shared one CPU."""
+    _, cpus, log = term_jobs[name]
+    every_cpu = os.sched_getaffinity(0)
+    assert cpus == [every_cpu, every_cpu], cpus
+    if name == "two_nodes":  # each node's srun task says where it runs
+        printed = dict(re.findall(r"(node\d): machine_rank \d, CPUs ([\d,-]+)", log))
+        assert {node: cpu_set(cpu_list) for node, cpu_list in printed.items()} == dict.fromkeys(NODES, every_cpu)
+
+
+def cpu_set(cpu_list: str) -> set:
+    """Linux's CPU list, "0-3,8", as a set."""
+    cpus = set()
+    for part in cpu_list.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs, term_jobs):
+    """Same world size, same data: neither the topology, nor where the requeue fell, nor USR1 or
+    SIGTERM, nor a killed rank changes a bit."""
+    one = results(jobs["one_node"][0])
+    for other in (jobs["two_nodes"][0], term_jobs["one_node"][0], term_jobs["two_nodes"][0]):
+        r = results(other)
+        for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
+                    "global_step", "samples_seen"):
+            assert r[key] == one[key], (other, key)
 
 
 def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
     proc = subprocess.run(
-        ["sbatch", "--wait", "--gpus-per-node=0", f"--output={tmp_path}/%x-%j.out",
+        ["sbatch", "--wait", "--gpus-per-node=0", "--cpus-per-gpu=1", f"--output={tmp_path}/%x-%j.out",
          str(SLURM_DIR / "submit_multigpu.sbatch")],
         cwd=REPO, env={**cluster.env, "CPU": "1"}, capture_output=True, text=True, timeout=120,
     )
@@ -201,4 +321,25 @@ def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
     (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
     assert log.strip() == (
         "error: the job has no GPUs; submit with --gpus-per-node=N, or set PROCESSES_PER_NODE (with CPU=1 for CPUs)"
+    )
+
+
+def test_multinode_job_without_an_address_for_machine_0_stops_with_one_clear_line(cluster, tmp_path):
+    """`scontrol show node` with no NodeAddr in it (a scontrol shim first on the job's PATH): the
+    other machines would wait for machine 0 at "" until they time out."""
+    shim = tmp_path / "bin" / "scontrol"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\n[ "$1 $2" = "show node" ] && exit 0\nexec {shutil.which("scontrol")} "$@"\n')
+    shim.chmod(0o755)
+    proc = subprocess.run(
+        ["sbatch", "--wait", "--gpus-per-node=1", "--cpus-per-gpu=1", f"--output={tmp_path}/%x-%j.out",
+         str(SLURM_DIR / "submit_multinode.sbatch")],
+        cwd=REPO, env={**cluster.env, "CPU": "1", "PATH": f"{shim.parent}:{cluster.env['PATH']}"},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
+    assert log.strip() == (
+        "error: no address for the first node node1: scontrol show node gave no NodeAddr; "
+        "set MAIN_PROCESS_IP to the address the other nodes reach it at"
     )
