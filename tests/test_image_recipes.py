@@ -121,12 +121,12 @@ def test_the_small_stem_on_a_model_that_is_not_a_resnet_is_one_error():
 
 
 @requires_mnist_10k
-def test_real_digits_at_32_px_with_the_default_flags_name_their_recipe_and_learn(tmp_path):
-    """Real handwritten digits as an image folder (320 to train, 200 to evaluate) at 32 px: the default recipe and
-    stem, AdamW for a quick start (SGD's default warmup needs more steps than a test can pay for), batches of 8 for
-    40 steps in 2 epochs (the small stem costs 16x the ImageNet one at 32 px: the samples are what a test pays for).
-    Measured: 69.5%, in 59 CPU-seconds (400 images, 3 epochs, batches of 16: 88.5% in 85, too slow for CI);
-    docs/benchmarks/cpu_image_recipes has the full measurement (8,000 digits, the default SGD: 98.9%)."""
+def test_real_digits_at_16_px_with_the_default_flags_name_their_recipe_and_learn(tmp_path):
+    """Real handwritten digits as an image folder (320 to train, 200 to evaluate) at 16 px, which gets the small
+    recipe and stem as 32 px does, at a quarter of the compute: AdamW for a quick start (SGD's default warmup needs
+    more steps than a test can pay for), batches of 8, 60 steps in 3 epochs. Measured: 77.5% in 35 CPU-seconds
+    (at 32 px, 2 epochs: 69.5% in 59). docs/benchmarks/cpu_image_recipes has the full measurement at 32 px
+    (8,000 digits, the default SGD: 98.9%)."""
     splits = load_mnist_idx(MNIST_10K)
     for split, folder, count in (("train", "train", 320), ("test", "val", 200)):
         images, labels = splits[split]
@@ -135,9 +135,9 @@ def test_real_digits_at_32_px_with_the_default_flags_name_their_recipe_and_learn
             class_folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(images[i].numpy()).save(class_folder / f"{i}.png")
     out = tmp_path / "out"
-    launch(["--data_dir", tmp_path / "digits", "--output_dir", out, "--model", "resnet18", "--image_size", "32",
-            "--epochs", "2", "--batch_size", "8", "--num_workers", "0", "--optimizer", "adamw",
+    launch(["--data_dir", tmp_path / "digits", "--output_dir", out, "--model", "resnet18", "--image_size", "16",
+            "--epochs", "3", "--batch_size", "8", "--num_workers", "0", "--optimizer", "adamw",
             "--warmup_epochs", "0"], num_processes=2, script=CLASSIFIER)
     r = results(out)
     assert (r["augmentation"], r["hflip"], r["stem"]) == ("small", False, "small")
-    assert r["eval_samples"] == 200 and r["eval_accuracy"] >= 0.5, r["eval_accuracy"]  # chance: 0.1
+    assert r["eval_samples"] == 200 and r["eval_accuracy"] >= 0.6, r["eval_accuracy"]  # chance: 0.1
