@@ -44,7 +44,13 @@ from utils.checkpoints import (  # noqa: E402
 )
 from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import build_parser, check_flag_combinations, non_negative_float, positive_int, tracker_config  # noqa: E402
+from utils.flags import (  # noqa: E402
+    build_parser,
+    check_flag_combinations,
+    non_negative_float,
+    positive_int,
+    tracker_config,
+)
 from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.image_data import (  # noqa: E402
     TransformedImages,
@@ -196,7 +202,8 @@ def main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
-    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)  # [accelerate]
+    resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
+    progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
     if args.sync_bn and accelerator.device.type != "cuda":
         raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop it on the CPU")
@@ -228,7 +235,7 @@ def main(args):
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.auto_find_batch_size:  # [accelerate] find_executable_batch_size: halve --batch_size until a step fits
-        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming=checkpoint is not None)
+        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming)
     loader_options = dict(
         num_workers=args.num_workers,
         pin_memory=accelerator.device.type == "cuda",

@@ -106,7 +106,8 @@ def main(args):
     logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
-    progress.adapt_to(accelerator, args, resuming=checkpoint is not None and not args.eval_only)  # [accelerate]
+    resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
+    progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
     with accelerator.main_process_first():  # [accelerate] the main process downloads, then the others read its cache
         splits = load_mnist(args.data_dir)
@@ -115,7 +116,7 @@ def main(args):
     model = ConvNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     if args.auto_find_batch_size:  # [accelerate] find_executable_batch_size: halve --batch_size until a step fits
-        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming=checkpoint is not None)
+        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming)
     pin_memory = accelerator.device.type == "cuda"
     train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True, pin_memory=pin_memory)
     eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, pin_memory=pin_memory)

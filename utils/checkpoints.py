@@ -82,8 +82,10 @@ def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, o
                         f"{find_latest_checkpoint(output_dir) or 'none'}; lower --learning_rate and resume from it")
 
 
-def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgress, total_limit=None) -> Path:
-    """`accelerator.save_state` into a temporary folder, then one rename makes it visible.
+def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgress, total_limit=None,
+                    write_into=None) -> Path:
+    """`accelerator.save_state` (or `write_into(folder)`, called on every process) into a temporary
+    folder, then one rename makes it visible.
 
     Collective: every process calls it at the same step (it holds barriers, and each process
     writes its own RNG state); the main process writes training_state.json and renames.
@@ -93,7 +95,10 @@ def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgre
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
+    if write_into is None:
+        accelerator.save_state(str(tmp))
+    else:
+        write_into(tmp)
     accelerator.wait_for_everyone()  # every rank has finished writing into tmp
     if accelerator.is_main_process:
         write_json_atomically(tmp / TRAINING_STATE, dataclasses.asdict(progress))
@@ -117,7 +122,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
         return
     try:
-        if args.resume_from_checkpoint == BEST:
+        if Path(checkpoint).name == BEST:
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
             # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
             set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / "model.safetensors"),
@@ -144,18 +149,10 @@ def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, 
     if best is not None and not (value > best if HIGHER_IS_BETTER[args.metric_for_best] else value < best):
         return False
     progress.best_epoch, progress.best_metric = epoch, value
-    output_dir = Path(args.output_dir)
-    final, tmp = output_dir / BEST, output_dir / f"{TMP_PREFIX}{BEST}"
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left over from a save that was killed
-    accelerator.wait_for_everyone()
-    accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), tmp)
-    if accelerator.is_main_process:
-        write_json_atomically(tmp / TRAINING_STATE, dataclasses.asdict(progress))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    accelerator.wait_for_everyone()
-    logger.info(f"epoch {epoch}: best {args.metric_for_best} so far ({value:.4f}), saved to {final}",
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    saved = save_checkpoint(accelerator, args.output_dir, BEST, progress,
+                            write_into=lambda folder: accelerator.save_model(plain_model, folder))
+    logger.info(f"epoch {epoch}: best {args.metric_for_best} so far ({value:.4f}), saved to {saved}",
                 main_process_only=True)
     return True
 
@@ -238,6 +235,9 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     checkpoint = Path(resume_from_checkpoint)
     if not checkpoint.is_dir():
         raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
+    if checkpoint.name == BEST and not eval_only:  # the literal 'best' is refused already by the flag checks
+        raise UserError(f"{checkpoint} holds the best weights only (no optimizer state): evaluate them with "
+                        f"--eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     return checkpoint
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from utils.errors import exit_with_error
 
-# The trackers the scripts offer, each with the package it needs (Accelerate supports more).
-TRACKERS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+# The trackers the scripts offer (Accelerate supports more); each is named as the package it needs.
+TRACKERS = ("tensorboard", "mlflow", "wandb")
 HIGHER_IS_BETTER = {"eval_accuracy": True, "eval_loss": False}  # --metric_for_best: which way is better
 
 
@@ -163,16 +163,12 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
                      "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     if args.early_stopping_patience is not None and args.metric_for_best is None:
         args.metric_for_best = "eval_loss"  # as the HF Trainer
-    installed = [name for name, package in TRACKERS.items() if importlib.util.find_spec(package)]
-    if args.report_to == "all":
-        args.report_to = installed
-    elif args.report_to == "none":
-        args.report_to = ["tensorboard"] if args.with_tracking else []
-    else:
-        if args.report_to not in installed:
-            parser.error(f"--report_to {args.report_to}: the {TRACKERS[args.report_to]} package is not installed; "
-                         f"pip install -r requirements-trackers.txt")
-        args.report_to = sorted({args.report_to, *(["tensorboard"] if args.with_tracking else [])})
+    installed = [name for name in TRACKERS if importlib.util.find_spec(name)]
+    if args.report_to not in (*installed, "all", "none"):
+        parser.error(f"--report_to {args.report_to}: the {args.report_to} package is not installed; "
+                     f"pip install -r requirements-trackers.txt")
+    chosen = {"all": installed, "none": []}.get(args.report_to, [args.report_to])
+    args.report_to = sorted({*chosen, *(["tensorboard"] if args.with_tracking else [])})
 
 
 def build_mnist_parser(description: str) -> ArgumentParser:

@@ -117,30 +117,29 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
     if recipe == "imagenet":
         geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
     elif recipe == "small":
-        geometry = [v2.Resize((image_size, image_size), antialias=True), v2.RandomAffine(degrees=0, scale=(0.9, 1.1)),
+        geometry = [_whole_image(image_size), v2.RandomAffine(degrees=0, scale=(0.9, 1.1)),
                     v2.RandomCrop(image_size, padding=image_size // 8, padding_mode="reflect")]
     else:
-        geometry = [v2.Resize((image_size, image_size), antialias=True)]
-    return v2.Compose([
-        *geometry,
-        *([v2.RandomHorizontalFlip()] if hflip else []),
-        v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+        geometry = [_whole_image(image_size)]
+    return _to_normalised_tensor(*geometry, *([v2.RandomHorizontalFlip()] if hflip else []))
 
 
 def eval_transform(image_size: int, recipe: str = "imagenet"):
     """imagenet: resize to size/0.875, then the central crop (256 -> 224, the usual ImageNet ratio). small and
     none: the whole image resized to the size: the central crop would cut the borders off small images."""
     if recipe == "imagenet":
-        geometry = [v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size)]
-    else:
-        geometry = [v2.Resize((image_size, image_size), antialias=True)]
-    return v2.Compose([
-        *geometry,
-        v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-    ])
+        return _to_normalised_tensor(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
+    return _to_normalised_tensor(_whole_image(image_size))
+
+
+def _whole_image(image_size: int):
+    return v2.Resize((image_size, image_size), antialias=True)  # no crop: non-square images are squeezed
+
+
+def _to_normalised_tensor(*geometry):
+    """The recipe's geometric steps, then a float tensor normalised as torchvision's pretrained weights expect."""
+    return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
+                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
 class TransformedImages(torch.utils.data.Dataset):
