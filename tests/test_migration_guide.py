@@ -135,7 +135,8 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs
 
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=TIMEOUT))])
-print(f"process {accelerator.process_index} of {accelerator.num_processes}", flush=True)
+# one write per line: print() writes text and newline apart, and two unbuffered ranks interleave them
+print(f"process {accelerator.process_index} of {accelerator.num_processes}\n", end="", flush=True)
 accelerator.end_training()
 """
 
