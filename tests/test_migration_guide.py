@@ -136,7 +136,7 @@ from accelerate.utils import InitProcessGroupKwargs
 
 accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=TIMEOUT))])
 # one write per line: print() writes text and newline apart, and two unbuffered ranks interleave them
-print(f"process {accelerator.process_index} of {accelerator.num_processes}\n", end="", flush=True)
+print(f"process {accelerator.process_index} of {accelerator.num_processes}\\n", end="", flush=True)
 accelerator.end_training()
 """
 
