@@ -7,6 +7,7 @@ owner checks the whole collection with
 (one GPU: the multi-GPU claims, DataParallel over several GPUs, NCCL across ranks, SyncBatchNorm,
 stay untested there; they skip and say so)."""
 
+import json
 import math
 import shutil
 
@@ -143,3 +144,15 @@ def test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints
     resumed = results(tmp_path / "resumed")
     assert resumed["global_step"] == r["global_step"] and resumed["samples_seen"] == r["samples_seen"]
     assert resumed["eval_accuracy"] > 0.9
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_profile_on_gpu_traces_the_cuda_kernels_and_ranks_operators_by_gpu_time(tmp_path):
+    data = make_synthetic_mnist(tmp_path / "data", num_train=1024, num_test=101)
+    out = tmp_path / "out"
+    proc = gpu_launch(["--data_dir", data, "--output_dir", out, "--epochs", "1", "--batch_size", "32", "--profile"])
+    (trace,) = (out / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # the GPU's own work, not only the CPU's launches
+    assert "top operators by self cuda time total" in proc.stdout + proc.stderr
