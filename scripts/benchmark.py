@@ -338,8 +338,10 @@ def write_markdown(path, rows):
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-def save_figure(plt, fig, axes, panels, path: Path) -> None:
+def save_figure(fig, axes, panels, path: Path) -> None:
     """Write one plot; without measured rows it says so instead of showing empty axes."""
+    import matplotlib.pyplot as plt
+
     if not panels:
         axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
     fig.tight_layout()
@@ -379,7 +381,7 @@ def plot(rows, output_dir: Path):
         ax.set_title(f"{model}, {data_path}, {n} process{'es' if n > 1 else ''}", fontsize=10)
         ax.set_ylabel("training samples/s (median, min-max)")
         ax.legend(fontsize=8)
-    save_figure(plt, fig, axes, panels, output_dir / "throughput.png")
+    save_figure(fig, axes, panels, output_dir / "throughput.png")
 
     # Scaling: one panel per model and data path; a line per method and precision.
     panels = sorted({(r["model"], r["data_path"]) for r in measured})
@@ -399,7 +401,7 @@ def plot(rows, output_dir: Path):
         ax.set_title(f"{model}, {data_path}", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    save_figure(plt, fig, axes, panels, output_dir / "scaling.png")
+    save_figure(fig, axes, panels, output_dir / "scaling.png")
 
 
 def print_table(rows):

@@ -350,14 +350,11 @@ def test_multinode_fsdp_job_gives_every_node_the_fsdp_launch(cluster, data, tmp_
     """The README's FSDP example, submit_multinode.sbatch with ACCELERATE_CONFIG=accelerate_configs/fsdp.yaml, on
     this CPU cluster: the allocation's counts override the YAML's 1 machine x 8 processes, and the processes
     on both nodes get the FSDP launch, which they refuse on CPUs in one line instead of training unsharded."""
-    proc = subprocess.run(
-        ["sbatch", "--wait", "--gpus-per-node=1", "--cpus-per-gpu=1", f"--output={tmp_path}/%x-%j.out",
-         str(SLURM_DIR / "submit_multinode.sbatch"), *map(str, script_args(data, tmp_path / "out"))],
-        cwd=REPO, capture_output=True, text=True, timeout=180,
-        env={**cluster.env, "CPU": "1", "ACCELERATE_CONFIG": "accelerate_configs/fsdp.yaml", "MAX_RESTARTS": "0"},
-    )
+    sbatch = submit(cluster, tmp_path, 1, "submit_multinode.sbatch", script_args(data, tmp_path / "out"),
+                    env={"ACCELERATE_CONFIG": "accelerate_configs/fsdp.yaml", "MAX_RESTARTS": "0"})
+    sbatch.communicate(timeout=180)
     (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
-    assert proc.returncode != 0, log[-3000:]
+    assert sbatch.returncode != 0, log[-3000:]
     assert "2 nodes x 1 processes" in log and "node1: machine_rank 0" in log and "node2: machine_rank 1" in log, log
     errors = {line for line in log.splitlines() if line.startswith("error: ")}
     assert errors == {f"error: {FSDP_NEEDS_GPUS}"}, log[-3000:]
