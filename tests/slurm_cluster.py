@@ -26,6 +26,9 @@ from helpers import skip_or_fail_in_ci
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("node1", "node2")
 GPUS_PER_NODE = 4
+# Job states after which nothing more runs (a requeued job is PENDING again; one still ending, COMPLETING)
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
+         "OUT_OF_MEMORY"}
 CPUS_PER_NODE = len(os.sched_getaffinity(0))  # the CPUs this machine lets us use, all of them on each node
 
 
@@ -108,8 +111,8 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
 KillWait=10
-# `sbatch --wait` polls after 2 s, then 8 s, then 32 s, unless MinJobAge <= 4 s: then every 2 s
-MinJobAge=4
+# How long an ended job stays in `scontrol show job`, where wait_for_job reads its exit code
+MinJobAge=60
 GresTypes=gpu
 {node_lines}
 # The tests run two jobs side by side on this machine's few CPUs: up to 2 jobs share a CPU
@@ -169,19 +172,36 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
 
     # ------------------------------------------------------------------ jobs
 
-    def job_state(self, job_id: str) -> str:
+    def job_fields(self, job_id: str) -> dict:
+        """`scontrol show job`'s Name=value fields; empty once the job is gone (MinJobAge after it ended)."""
         out = self.run("scontrol", "show", "job", job_id, check=False).stdout
-        for field in out.split():
-            if field.startswith("JobState="):
-                return field.split("=", 1)[1]
-        return "UNKNOWN"
+        return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+    def job_state(self, job_id: str) -> str:
+        return self.job_fields(job_id).get("JobState", "UNKNOWN")
 
     def job_field(self, job_id: str, name: str) -> str:
-        out = self.run("scontrol", "show", "job", job_id, check=False).stdout
-        for field in out.split():
-            if field.startswith(f"{name}="):
-                return field.split("=", 1)[1]
-        return ""
+        return self.job_fields(job_id).get(name, "")
+
+    def job_ended(self, job_id: str) -> bool:
+        return self.job_state(job_id) in ENDED
+
+    def wait_for_job(self, job_id: str, timeout: float) -> int:
+        """The job's exit code (128 + N if signal N ended it) once it has ended for good. Not `sbatch
+        --wait`: that returns at the first ended state it polls, and a preempted job is CANCELLED (and
+        COMPLETING, which scontrol shows instead) from the preemption until its batch script requeues
+        it, so sbatch returned 0 mid-preemption where that took the script longer than usual."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fields = self.job_fields(job_id)
+            if fields.get("JobState") in ENDED:
+                exit_code, signal_number = map(int, fields["ExitCode"].split(":"))  # ExitCode=status:signal
+                return 128 + signal_number if signal_number else exit_code
+            if not fields:
+                raise AssertionError(f"job {job_id} is gone from scontrol; its exit code is lost\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"job {job_id} did not end in {timeout} s ({fields['JobState']})\n{self.log_tail()}")
+            time.sleep(0.2)
 
 
 def start_cluster(root: Path) -> SlurmCluster:

@@ -1,5 +1,6 @@
-"""scripts/slurm/*.sbatch submitted with `sbatch --wait` to a real Slurm cluster started on
-this machine (tests/slurm_cluster.py), in CPU mode, and checked by their results.json."""
+"""scripts/slurm/*.sbatch submitted with `sbatch` to a real Slurm cluster started on this
+machine (tests/slurm_cluster.py), in CPU mode, followed by their state until they ended for good,
+and checked by their results.json."""
 
 import math
 import os
@@ -13,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results, training_processes
-from slurm_cluster import CPUS_PER_NODE, GPUS_PER_NODE, NODES, start_cluster
+from slurm_cluster import CPUS_PER_NODE, ENDED, GPUS_PER_NODE, NODES, start_cluster
 
 from utils.checkpoints import find_latest_checkpoint
 from utils.launch_checks import FSDP_NEEDS_GPUS
@@ -52,26 +53,28 @@ def script_args(data, output_dir, *extra):
             "--epochs", str(EPOCHS), "--batch_size", str(BATCH_SIZE), *extra]
 
 
-def submit(cluster, log_dir, gpus_per_node, batch_script, args, cpus_per_gpu=1, env=None) -> subprocess.Popen:
-    """`sbatch --wait` in CPU mode, from the repository root as users submit; returns at once.
+def submit(cluster, log_dir, gpus_per_node, batch_script, args, cpus_per_gpu=1, env=None) -> str:
+    """`sbatch` in CPU mode, from the repository root as users submit; returns the job id.
     --cpus-per-gpu: the scripts ask for 8, more than the test nodes have."""
-    cmd = ["sbatch", "--wait", "--parsable", f"--gpus-per-node={gpus_per_node}", f"--cpus-per-gpu={cpus_per_gpu}",
+    cmd = ["sbatch", "--parsable", f"--gpus-per-node={gpus_per_node}", f"--cpus-per-gpu={cpus_per_gpu}",
            f"--output={log_dir}/%x-%j.out", SLURM_DIR / batch_script, *args]
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env={**cluster.env, "CPU": "1", **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env={**cluster.env, "CPU": "1", **(env or {})},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split(";")[0].strip()  # --parsable: "id" or "id;cluster"
 
 
-def finish(cluster, sbatch: subprocess.Popen, job_id: str, log_dir, timeout=300):
-    """Wait for `sbatch --wait`; returns the job's log."""
-    try:
-        _, stderr = sbatch.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        sbatch.kill()
-        raise AssertionError(f"job {job_id} did not finish in {timeout} s\n{cluster.log_tail()}") from None
+def job_log(log_dir, job_id) -> str:
     # srun forwards each node's output in chunks, not lines: one node's bytes can split a
     # multi-byte progress-bar character of the other's.
-    logs = "\n".join(p.read_text(errors="replace") for p in log_dir.glob(f"*-{job_id}.out"))
-    assert sbatch.returncode == 0, f"sbatch exited {sbatch.returncode}: {stderr}\n{logs[-4000:]}"
+    return "\n".join(p.read_text(errors="replace") for p in log_dir.glob(f"*-{job_id}.out"))
+
+
+def finish(cluster, job_id: str, log_dir, timeout=300) -> str:
+    """Wait until the job has ended for good (requeues included) and succeeded; returns its log."""
+    exit_code = cluster.wait_for_job(job_id, timeout)
+    logs = job_log(log_dir, job_id)
+    assert exit_code == 0, f"job {job_id} exited {exit_code}\n{logs[-4000:]}"
     return logs
 
 
@@ -129,8 +132,7 @@ def preempt_by_urgent_job(cluster, job_ids: dict) -> None:
 
 def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=None, num_processes=2, timeout=180):
     """`preempt(cluster, job_ids)` once every job's epoch_0 is saved (or `ready[name](output_dir)`).
-    `jobs`: name -> (sbatch, output_dir); returns the job ids and the CPUs each job's training
-    processes may run on.
+    `jobs`: name -> (job_id, output_dir); returns the CPUs each job's training processes may run on.
 
     The tiny model trains an epoch in about a second, so that the signal surely lands
     mid-epoch each job's training processes are frozen (SIGSTOP) from their first checkpoint
@@ -138,16 +140,20 @@ def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=
     Every step of the signal's way (Slurm, batch script, launcher, training processes) is the
     real one.
     """
-    # --parsable prints the id when the job is submitted
-    job_ids = {name: sbatch.stdout.readline().split(";")[0].strip() for name, (sbatch, _) in jobs.items()}
+    job_ids = {name: job_id for name, (job_id, _) in jobs.items()}
     deadline = time.monotonic() + timeout
     frozen = {}
+    next_state_check = 0
     try:
         while len(frozen) < len(jobs):
-            for name, (sbatch, output_dir) in jobs.items():
+            if time.monotonic() > next_state_check:  # once a second: each look is a scontrol call
+                for name, job_id in job_ids.items():
+                    assert name in frozen or not cluster.job_ended(job_id), (
+                        f"{name} ended before it was preempted\n{job_log(jobs[name][1].parent, job_id)[-3000:]}")
+                next_state_check = time.monotonic() + 1
+            for name, (_, output_dir) in jobs.items():
                 if name in frozen:
                     continue
-                assert sbatch.poll() is None, f"{name} ended before it was preempted\n{cluster.log_tail()}"
                 if (ready or {}).get(name, first_checkpoint)(output_dir):
                     frozen[name] = training_processes(output_dir)
                     assert len(frozen[name]) == num_processes, frozen[name]
@@ -164,17 +170,20 @@ def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=
     finally:
         for worker in (worker for group in frozen.values() for worker in group):
             worker.resume()
-    return job_ids, cpus
+    return cpus
 
 
-def start_when_requeued(cluster, sbatch: subprocess.Popen, job_id, timeout=180) -> None:
-    """Lift the 2 minutes Slurm holds a requeued job."""
+def start_when_requeued(cluster, job_id, timeout=180) -> None:
+    """Lift the 2 minutes Slurm holds a requeued job (once the run before has ended on its nodes)."""
     deadline = time.monotonic() + timeout
-    while cluster.job_field(job_id, "Restarts") == "0" or cluster.job_state(job_id) != "PENDING":
-        if sbatch.poll() is not None:  # finished without a requeue: the tests below say so
+    while (fields := cluster.job_fields(job_id)).get("Restarts") == "0" or fields.get("JobState") != "PENDING":
+        if fields.get("JobState") in ENDED:  # ended without a requeue: the tests below say so
             return
         assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
         time.sleep(0.1)
+    # Not in the second the run ended: the node revoked that run's credential with a time in whole
+    # seconds and refuses a credential made in the same second ("Job credential revoked": the job fails).
+    time.sleep(2 - time.time() % 1)
     cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
 
@@ -183,15 +192,14 @@ def jobs(cluster, data, tmp_path_factory):
     """Both batch scripts at once, on the same data, with their default flags: one node
     with 2 GPUs, two nodes with 1 GPU each; both preempted in their second epoch."""
     root = tmp_path_factory.mktemp("slurm_jobs")
-    submitted = {
+    job_ids = {
         "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
         "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes")),
     }
-    job_ids, _ = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()})
-    for name, sbatch in submitted.items():
-        start_when_requeued(cluster, sbatch, job_ids[name])
-    return {name: (root / name, job_ids[name], finish(cluster, sbatch, job_ids[name], root))
-            for name, sbatch in submitted.items()}
+    preempt_mid_epoch(cluster, {name: (job_id, root / name) for name, job_id in job_ids.items()})
+    for job_id in job_ids.values():
+        start_when_requeued(cluster, job_id)
+    return {name: (root / name, job_id, finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
 
 
 @pytest.fixture(scope="module")
@@ -202,17 +210,16 @@ def term_jobs(cluster, data, tmp_path_factory):
     against each other), and after epoch_0 loses its training process on node2 (KillRankOnNode2):
     the launchers restart the processes of both nodes, and these are preempted."""
     root = tmp_path_factory.mktemp("slurm_term_jobs")
-    submitted = {
+    job_ids = {
         "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
         "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"),
                             cpus_per_gpu=CPUS_PER_NODE, env={"OMP_NUM_THREADS": "1"}),
     }
-    job_ids, cpus = preempt_mid_epoch(cluster, {name: (sbatch, root / name) for name, sbatch in submitted.items()},
-                                      preempt=preempt_by_urgent_job, ready={"two_nodes": KillRankOnNode2()})
-    for name, sbatch in submitted.items():
-        start_when_requeued(cluster, sbatch, job_ids[name])
-    return {name: (root / name, cpus[name], finish(cluster, sbatch, job_ids[name], root))
-            for name, sbatch in submitted.items()}
+    cpus = preempt_mid_epoch(cluster, {name: (job_id, root / name) for name, job_id in job_ids.items()},
+                             preempt=preempt_by_urgent_job, ready={"two_nodes": KillRankOnNode2()})
+    for job_id in job_ids.values():
+        start_when_requeued(cluster, job_id)
+    return {name: (root / name, cpus[name], finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
 
 
 def assert_complete_run(r, num_processes):
@@ -313,12 +320,8 @@ def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs, term_jobs)
 
 
 def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
-    proc = subprocess.run(
-        ["sbatch", "--wait", "--gpus-per-node=0", "--cpus-per-gpu=1", f"--output={tmp_path}/%x-%j.out",
-         str(SLURM_DIR / "submit_multigpu.sbatch")],
-        cwd=REPO, env={**cluster.env, "CPU": "1"}, capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 1
+    job_id = submit(cluster, tmp_path, 0, "submit_multigpu.sbatch", [])
+    assert cluster.wait_for_job(job_id, timeout=120) == 1
     (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
     assert log.strip() == (
         "error: the job has no GPUs; submit with --gpus-per-node=N, or set PROCESSES_PER_NODE (with CPU=1 for CPUs)"
@@ -332,13 +335,9 @@ def test_multinode_job_without_an_address_for_machine_0_stops_with_one_clear_lin
     shim.parent.mkdir()
     shim.write_text(f'#!/bin/sh\n[ "$1 $2" = "show node" ] && exit 0\nexec {shutil.which("scontrol")} "$@"\n')
     shim.chmod(0o755)
-    proc = subprocess.run(
-        ["sbatch", "--wait", "--gpus-per-node=1", "--cpus-per-gpu=1", f"--output={tmp_path}/%x-%j.out",
-         str(SLURM_DIR / "submit_multinode.sbatch")],
-        cwd=REPO, env={**cluster.env, "CPU": "1", "PATH": f"{shim.parent}:{cluster.env['PATH']}"},
-        capture_output=True, text=True, timeout=120,
-    )
-    assert proc.returncode == 1
+    job_id = submit(cluster, tmp_path, 1, "submit_multinode.sbatch", [],
+                    env={"PATH": f"{shim.parent}:{cluster.env['PATH']}"})
+    assert cluster.wait_for_job(job_id, timeout=120) == 1
     (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
     assert log.strip() == (
         "error: no address for the first node node1: scontrol show node gave no NodeAddr; "
@@ -350,11 +349,11 @@ def test_multinode_fsdp_job_gives_every_node_the_fsdp_launch(cluster, data, tmp_
     """The README's FSDP example, submit_multinode.sbatch with ACCELERATE_CONFIG=accelerate_configs/fsdp.yaml, on
     this CPU cluster: the allocation's counts override the YAML's 1 machine x 8 processes, and the processes
     on both nodes get the FSDP launch, which they refuse on CPUs in one line instead of training unsharded."""
-    sbatch = submit(cluster, tmp_path, 1, "submit_multinode.sbatch", script_args(data, tmp_path / "out"),
+    job_id = submit(cluster, tmp_path, 1, "submit_multinode.sbatch", script_args(data, tmp_path / "out"),
                     env={"ACCELERATE_CONFIG": "accelerate_configs/fsdp.yaml", "MAX_RESTARTS": "0"})
-    sbatch.communicate(timeout=180)
+    exit_code = cluster.wait_for_job(job_id, timeout=180)
     (log,) = [p.read_text(errors="replace") for p in tmp_path.glob("*.out")]
-    assert sbatch.returncode != 0, log[-3000:]
+    assert exit_code != 0, log[-3000:]
     assert "2 nodes x 1 processes" in log and "node1: machine_rank 0" in log and "node2: machine_rank 1" in log, log
     errors = {line for line in log.splitlines() if line.startswith("error: ")}
     assert errors == {f"error: {FSDP_NEEDS_GPUS}"}, log[-3000:]
