@@ -14,7 +14,6 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
@@ -121,6 +120,9 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
         if args.resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
         return
+    # imported here: it costs every process about a second at start, and only --resume_from_checkpoint best needs it
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     try:
         if Path(checkpoint).name == BEST:
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
