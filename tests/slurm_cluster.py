@@ -177,14 +177,8 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
         out = self.run("scontrol", "show", "job", job_id, check=False).stdout
         return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
-    def job_state(self, job_id: str) -> str:
-        return self.job_fields(job_id).get("JobState", "UNKNOWN")
-
-    def job_field(self, job_id: str, name: str) -> str:
-        return self.job_fields(job_id).get(name, "")
-
     def job_ended(self, job_id: str) -> bool:
-        return self.job_state(job_id) in ENDED
+        return self.job_fields(job_id).get("JobState") in ENDED
 
     def wait_for_job(self, job_id: str, timeout: float) -> int:
         """The job's exit code (128 + N if signal N ended it) once it has ended for good. Not `sbatch

@@ -120,11 +120,11 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
         if args.resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
         return
-    # imported here: it costs every process about a second at start, and only --resume_from_checkpoint best needs it
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     try:
         if Path(checkpoint).name == BEST:
+            # imported here: it costs every process about a second at start, and only this path needs it
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
             # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
             set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / "model.safetensors"),
