@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -65,15 +66,32 @@ def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, ra
     return worker.pid
 
 
-def test_the_launcher_restarts_a_killed_rank_and_the_run_matches_the_uninterrupted_one(data, uninterrupted, tmp_path):
+@pytest.fixture
+def another_job_on_port_29400():
+    """Another job's rendezvous store on torchrun's default c10d port, 29400: without a rendezvous address
+    of its own, a one-machine c10d launch would join that store instead of hosting one."""
+    with socket.socket() as listener:
+        try:
+            listener.bind(("", 29400))
+        except OSError:
+            yield  # already taken, by something else on this machine: the case holds all the same
+            return
+        listener.listen()
+        yield
+
+
+def test_the_launcher_restarts_a_killed_rank_and_the_run_matches_the_uninterrupted_one(
+        data, uninterrupted, tmp_path, another_job_on_port_29400):
     """In-launcher restarts: --max_restarts with the c10d rendezvous. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     gives each attempt a fresh store; with the agent's shared store the restarted workers read the dead
-    attempt's gloo addresses and fail (Connection refused)."""
+    attempt's gloo addresses and fail (Connection refused). PET_RDZV_ENDPOINT=localhost:0 puts the
+    rendezvous store on a free port: port 29400 is taken during this run."""
     out = tmp_path / "restarted"
     cmd = [*launcher_args(2), "--max_restarts", "1", "--rdzv_backend", "c10d", TRAIN_MNIST, "--cpu",
            "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
     job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                           text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                           "PET_RDZV_ENDPOINT": "localhost:0"})
     _kill_rank_after_first_checkpoint(job, out)
     output, _ = job.communicate(timeout=300)
     assert job.returncode == 0, output[-4000:]
