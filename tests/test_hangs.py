@@ -62,15 +62,16 @@ class _Output:
 
 
 def _collectives_against(rank, port, errors):
-    """Rank 0 all-reduces twice with rank 1, which joins in neither: first it does not answer (past the
-    first group's timeout), then it exits (within the second group's)."""
+    """Rank 0 all-reduces three times with rank 1, which joins in none: first it does not answer (past the
+    first group's timeout), then rank 0 tries that group again (gloo closed its connections at the timeout),
+    then rank 1 exits (within the second group's timeout)."""
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     hangs = dist.new_group([0, 1], timeout=timedelta(seconds=1))
     exits = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     if rank == 1:
         time.sleep(2)
         os._exit(0)
-    for group in (hangs, exits):
+    for group in (hangs, hangs, exits):
         try:
             dist.all_reduce(torch.ones(1), group=group)
             errors.put(("no error", ""))
@@ -92,14 +93,17 @@ def test_what_this_torch_raises_is_told_apart():
     for process in processes:
         process.start()
     try:
-        raised = [errors.get(timeout=120), errors.get(timeout=120)]
+        raised = [errors.get(timeout=120) for _ in range(3)]
     finally:
         for process in processes:
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
     assert all(name in ("RuntimeError", "DistBackendError") for name, _ in raised), raised
-    assert [collective_failure(RuntimeError(message)) for _, message in raised] == ["timeout", "peer gone"], raised
+    # What DDP's next collective met in CI after another one had timed out: the closed connection, not the timeout
+    assert raised[1][1] == "Application timeout caused pair closure", raised
+    kinds = [collective_failure(RuntimeError(message)) for _, message in raised]
+    assert kinds == ["timeout", "timeout", "peer gone"], raised
 
 
 def test_other_errors_pass_through():

@@ -13,9 +13,12 @@ from utils.errors import UserError
 # What the backends raise (a RuntimeError, or its subclass DistBackendError) when a collective waited
 # too long, in torch 2.x: gloo "Timed out waiting 5000ms for recv operation to complete", the store
 # "wait timeout after 5000ms", NCCL's watchdog "Watchdog caught collective operation timeout" and its
-# TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". tests/test_hangs.py checks gloo's.
+# TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". A gloo recv that timed out also closes
+# every connection of its group, so an operation already under way, or the next one, on another thread
+# (DDP's bucketed all-reduce, the next forward's buffer broadcast) may raise "Application timeout caused
+# pair closure" first. tests/test_hangs.py checks gloo's.
 TIMEOUT_MESSAGES = ("Timed out waiting", "wait timeout after", "collective operation timeout",
-                    "timed out in blocking wait")
+                    "timed out in blocking wait", "Application timeout caused pair closure")
 # What gloo raises when the process at the other end ended mid-collective (a crash, the OOM killer,
 # the launcher stopping the job after another process failed): no timeout, and its own output says why.
 PEER_GONE_MESSAGES = ("Connection closed by peer", "Connection reset by peer")
