@@ -213,24 +213,20 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
 # ---------------------------------------------------------------- DDP switches (2 CPU processes)
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_ddp_comm_hook_compresses_gradients_on_gloo(precision, split_folder, tmp_path):
+# One run checks both switches with fp16 compression (a launch of 2 processes costs ~10 s of start-up)
+@pytest.mark.parametrize("precision, channels_last", [("fp16", True), ("bf16", False)])
+def test_ddp_comm_hook_compresses_gradients_on_gloo_and_channels_last_reaches_the_convolutions(
+        precision, channels_last, split_folder, tmp_path):
+    memory_format = ["--channels_last", "--checkpointing_steps", "epoch"] if channels_last else []
     reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "96", "--ddp_comm_hook", precision], 2, tmp_path / "probe")
+                                "--max_train_samples", "96", "--ddp_comm_hook", precision, *memory_format], 2,
+                               tmp_path / "probe")
     assert [rep["comm_hook"] for rep in reports] == [f"{precision}_compress_hook"] * 2  # as DDP itself reports it
+    for rep in reports:  # the weights, and the train and eval batches
+        assert rep["weights_channels_last"] == channels_last and rep["inputs_channels_last"] == [channels_last]
     r = results(tmp_path)
-    assert r["global_step"] == 3 and math.isfinite(r["train_loss"])
+    assert r["global_step"] == 3 and math.isfinite(r["train_loss"]) and r["eval_samples"] == 80
     assert len(set(r["parameter_fingerprints"])) == 1  # the compressed all-reduce still leaves identical replicas
-
-
-def test_channels_last_reaches_the_convolutions(split_folder, tmp_path):
-    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "96", "--channels_last", "--checkpointing_steps", "epoch"],
-                               2, tmp_path / "probe")
-    for rep in reports:
-        assert rep["weights_channels_last"] and rep["inputs_channels_last"] == [True]  # train and eval batches
-    r = results(tmp_path)
-    assert len(set(r["parameter_fingerprints"])) == 1 and r["eval_samples"] == 80
     # saved weights are plain contiguous tensors, loadable without channels_last
     assert load_file(tmp_path / "model.safetensors")["conv1.weight"].is_contiguous()
 

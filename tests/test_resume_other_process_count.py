@@ -93,10 +93,10 @@ def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, tmp_path
 def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(saved_on_2, tmp_path):
     data, runs = saved_on_2
     shutil.copytree(runs["steps"] / "step_2", tmp_path / "step_2")
-    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--resume_from_checkpoint", "latest"],
-                  num_processes=4, check=False)
-    # 144 / 4 = 36 samples per process: 24 does not divide it, 18 x 2 does
-    assert_clean_user_error(proc, "global batch is 144", "--batch_size 18 --gradient_accumulation_steps 2")
+    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--batch_size", "40",
+                   "--resume_from_checkpoint", "latest"], num_processes=1, check=False)
+    # 144 samples on 1 process: 40 does not divide them, 36 x 4 does
+    assert_clean_user_error(proc, "global batch is 144", "--batch_size 36 --gradient_accumulation_steps 4")
     assert not (tmp_path / "results.json").exists()
 
 
