@@ -217,9 +217,9 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
 @pytest.mark.parametrize("precision, channels_last", [("fp16", True), ("bf16", False)])
 def test_ddp_comm_hook_compresses_gradients_on_gloo_and_channels_last_reaches_the_convolutions(
         precision, channels_last, split_folder, tmp_path):
-    memory_format = ["--channels_last", "--checkpointing_steps", "epoch"] if channels_last else []
+    channels_last_flags = ["--channels_last", "--checkpointing_steps", "epoch"] if channels_last else []
     reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "96", "--ddp_comm_hook", precision, *memory_format], 2,
+                                "--max_train_samples", "96", "--ddp_comm_hook", precision, *channels_last_flags], 2,
                                tmp_path / "probe")
     assert [rep["comm_hook"] for rep in reports] == [f"{precision}_compress_hook"] * 2  # as DDP itself reports it
     for rep in reports:  # the weights, and the train and eval batches

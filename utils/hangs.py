@@ -14,9 +14,9 @@ from utils.errors import UserError
 # too long, in torch 2.x: gloo "Timed out waiting 5000ms for recv operation to complete", the store
 # "wait timeout after 5000ms", NCCL's watchdog "Watchdog caught collective operation timeout" and its
 # TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". A gloo recv that timed out also closes
-# every connection of its group, so an operation already under way, or the next one, on another thread
-# (DDP's bucketed all-reduce, the next forward's buffer broadcast) may raise "Application timeout caused
-# pair closure" first. tests/test_hangs.py checks gloo's.
+# every connection of its group, so the group's other operations, under way or next (DDP's bucketed
+# all-reduce, the next forward's buffer broadcast), may raise "Application timeout caused pair closure"
+# first. tests/test_hangs.py checks gloo's.
 TIMEOUT_MESSAGES = ("Timed out waiting", "wait timeout after", "collective operation timeout",
                     "timed out in blocking wait", "Application timeout caused pair closure")
 # What gloo raises when the process at the other end ended mid-collective (a crash, the OOM killer,
