@@ -8,9 +8,16 @@ Marker convention, on the line before a ```python fence (every Python block need
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
 break a launched job (the environment variables to delete) are compile-only and launched by their own test.
+
+A before/after pair written as two snippets adds ` | pair: NAME before` (or `after`) and ` | compare: VAR, VAR`
+to both markers, e.g. `<!-- runnable: torchrun 2 | pair: sharding before | compare: train_epochs, eval_samples -->`.
+Both sides run; each process's values of the named variables are saved at the end; test_pair_sides_agree checks
+that the before's and the after's are equal (per process where both sides run as many processes, otherwise the
+values every process of a side agrees on), so the two sides cannot drift apart unnoticed.
 """
 
 import json
+import math
 import re
 import shlex
 import socket
@@ -49,17 +56,33 @@ def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+def parse_marker(marker):
+    """'runnable: torchrun 2 | pair: sharding before | compare: a, b' -> ('runnable: torchrun 2', {'pair': ...})."""
+    launcher, *fields = [part.strip() for part in (marker or "").split(" | ")]
+    return launcher, dict(field.split(": ", 1) for field in fields)
+
+
 PYTHON = [b for b in fenced_blocks() if b[2] == "python"]
-RUNNABLE = [pytest.param(marker, code, id=name) for name, marker, _, code in PYTHON if marker in RUNNERS]
+RUNNABLE = [pytest.param(parse_marker(marker)[0], code, id=name) for name, marker, _, code in PYTHON
+            if parse_marker(marker)[0] in RUNNERS]
+PAIR_SIDES = {}  # pair name -> {"before": (block name, launcher, code, [variables]), "after": ...}
+for name, marker, _, code in PYTHON:
+    launcher, fields = parse_marker(marker)
+    if "pair" in fields:
+        pair, side = fields["pair"].rsplit(" ", 1)
+        assert side in ("before", "after") and side not in PAIR_SIDES.get(pair, {}), f"{name}: {marker}"
+        PAIR_SIDES.setdefault(pair, {})[side] = (name, launcher, code, fields["compare"].split(", "))
+COMPARED_IN = {code: variables for sides in PAIR_SIDES.values() for _, _, code, variables in sides.values()}
 COMPILE_ONLY = [pytest.param(code, id=name) for name, marker, _, code in PYTHON
                 if marker and marker.startswith("compile-only: ")]
 
 
 def test_every_python_block_is_marked_and_runnable_ones_assert():
     for name, marker, _, code in PYTHON:
-        assert marker in RUNNERS or (marker or "").startswith("compile-only: "), f"{name}: unknown marker {marker!r}"
+        launcher = parse_marker(marker)[0]
+        assert launcher in RUNNERS or launcher.startswith("compile-only: "), f"{name}: unknown marker {marker!r}"
     for name, marker, _, code in PYTHON:
-        if marker in RUNNERS:
+        if parse_marker(marker)[0] in RUNNERS:
             checks = re.search(r"^\s*(assert |torch\.testing\.assert_close)", code, flags=re.MULTILINE)
             assert checks, f"{name} checks nothing"
     # before and after side by side: some of each kind, several distributed ones actually run
@@ -80,20 +103,107 @@ def free_port() -> int:
 EXIT_TIME_ABORT = "terminate called without an active exception"
 
 
-@pytest.mark.parametrize("marker, code", RUNNABLE)
-def test_runnable_snippet(marker, code, tmp_path):
-    snippet = tmp_path / "snippet.py"
-    snippet.write_text(code)
+# Appended to each side of a pair: every process saves its values of the compared variables.
+SAVE_COMPARED = """
+
+import json as _json
+import os as _os
+
+
+def _plain(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(key): _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+with open(f"compared_{_os.environ.get('RANK', '0')}.json", "w") as _file:
+    _json.dump({_name: _plain(globals()[_name]) for _name in COMPARED}, _file)
+"""
+OUTCOMES = {}  # code -> {rank: {variable: value}}: each snippet runs once, for its own test and for its pair's
+
+
+def outcome_of(marker: str, code: str, workdir) -> dict:
+    """Run a snippet (once per session); for a pair's side, every process's values of the compared variables."""
+    if code in OUTCOMES:
+        return OUTCOMES[code]
+    variables = COMPARED_IN.get(code, [])
+    snippet = workdir / "snippet.py"
+    snippet.write_text(code + (SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""))
 
     def run_snippet():
         # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
-        return run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240,
+        return run(RUNNERS[marker](snippet), cwd=workdir, timeout=240,
                    env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
 
     proc = run_snippet()
     if proc.returncode != 0 and EXIT_TIME_ABORT in proc.stdout + proc.stderr:
         proc = run_snippet()  # once more; a second abort, or any other failure, fails the test
     assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+    OUTCOMES[code] = {int(path.stem.split("_")[1]): json.loads(path.read_text())
+                      for path in workdir.glob("compared_*.json")}
+    return OUTCOMES[code]
+
+
+@pytest.mark.parametrize("marker, code", RUNNABLE)
+def test_runnable_snippet(marker, code, tmp_path):
+    outcome_of(marker, code, tmp_path)
+
+
+def same(a, b, where: str) -> None:
+    """Equal, floats within float32 rounding (the two sides may sum in another order)."""
+    if isinstance(a, float) or isinstance(b, float):
+        assert isinstance(a, (int, float)) and isinstance(b, (int, float)), where
+        assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6), f"{where}: {a} != {b}"
+    elif isinstance(a, list) and isinstance(b, list):
+        assert len(a) == len(b), f"{where}: {len(a)} != {len(b)} items"
+        for index, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{index}]")
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for key in a:
+            same(a[key], b[key], f"{where}[{key!r}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def common_values(outcome: dict, variable: str, side: str):
+    """The value every process of one side holds (a side on another number of processes is compared by these)."""
+    values = [outcome[rank][variable] for rank in sorted(outcome)]
+    for rank, value in enumerate(values[1:], 1):
+        same(values[0], value, f"{side}: {variable} of process 0 and process {rank}")
+    return values[0]
+
+
+def test_every_pair_has_two_sides_that_compare_the_same_things():
+    assert len(PAIR_SIDES) >= 1
+    for pair, sides in PAIR_SIDES.items():
+        assert sides.keys() == {"before", "after"}, f"pair {pair}: {sorted(sides)}"
+        assert sides["before"][3] == sides["after"][3], f"pair {pair} compares different variables"
+        for side, (name, launcher, code, variables) in sides.items():
+            assert launcher in RUNNERS, f"{name}: a pair's sides run"
+            for variable in variables:
+                assert re.search(rf"^\s*{variable}\b.*=", code, flags=re.MULTILINE), f"{name} never sets {variable}"
+
+
+@pytest.mark.parametrize("pair", sorted(PAIR_SIDES))
+def test_pair_sides_agree(pair, tmp_path):
+    """What the pair claims: the before and the after end with the same values of the compared variables."""
+    outcomes = {}
+    for side, (name, launcher, code, variables) in PAIR_SIDES[pair].items():
+        (tmp_path / side).mkdir()
+        outcomes[side] = outcome_of(launcher, code, tmp_path / side)
+    before, after = outcomes["before"], outcomes["after"]
+    assert before and after
+    for variable in PAIR_SIDES[pair]["before"][3]:
+        if before.keys() == after.keys():
+            for rank in before:
+                same(before[rank][variable], after[rank][variable], f"{pair}: {variable} of process {rank}")
+        else:
+            same(common_values(before, variable, "before"), common_values(after, variable, "after"), f"{pair}: {variable}")
 
 
 def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
@@ -109,6 +219,24 @@ def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
 def the_snippet_with(text: str, blocks: list) -> str:
     (code,) = [p.values[-1] for p in blocks if text in p.values[-1]]
     return code
+
+
+def test_the_process_count_check_stops_a_launch_without_cpu(tmp_path):
+    """The guide's check: without --cpu on a machine without GPUs, two lone processes; the check stops them."""
+    if torch_cuda_available():
+        pytest.skip("this machine has GPUs: without --cpu the processes form one group")
+    code = the_snippet_with('if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1"))', RUNNABLE)
+    assert 'parser.parse_args(["--cpu"])' in code
+    script = tmp_path / "snippet.py"
+    script.write_text(code.replace('parser.parse_args(["--cpu"])', "parser.parse_args([])"))
+    proc = run([*launcher_args(2), script], cwd=tmp_path, timeout=240, check=False)
+    error = "error: 2 processes were launched but each runs alone; on a machine without GPUs add --cpu"
+    assert proc.returncode != 0 and proc.stderr.count(error) == 2, proc.stderr
+    assert 'File "' + str(script) not in proc.stderr  # sys.exit: no traceback through the script
+
+
+def torch_cuda_available() -> bool:
+    return run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]).stdout.strip() == "True"
 
 
 def test_old_local_rank_parser_under_torch_launchers(tmp_path):
