@@ -97,9 +97,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# torch 2.15's gloo sometimes aborts a process after the interpreter has finished, at C++
-# exit (about 1 run in 100 of the DDP fp16-hook snippet here; faulthandler shows no Python
-# frame left). The snippet's work and checks were complete by then.
+# A gloo process can abort while the interpreter shuts down (3 runs in 20 of the lr_after_two_steps
+# snippet on 2 busy cores; tests/stress_snippets.py counts them). Native stack of the aborting thread
+# (a core dump): c10d::ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> ~ThreadLocalState ->
+# SafePyObject decref -> gil_scoped_acquire -> take_gil -> PyThread_exit_thread -> pthread_exit ->
+# forced unwind through a noexcept destructor -> std::terminate. The work is DDP's gradient allreduce,
+# launched during backward, whose thread-local state holds the Python context that
+# torch.autograd's _engine_run_backward stashes; gloo's worker thread drops the last reference after
+# the collective has completed, and if the main thread has begun Py_FinalizeEx by then, taking the GIL
+# ends the thread (Python 3.11). The script's work and checks were complete. It cannot be removed from
+# our side: destroy_process_group (end_training) leaves gloo's worker threads running because a
+# DistributedDataParallel, even deleted, keeps a reference to the group, and gloo has no way to wait
+# for its workers; a barrier before end_training made it more frequent, not less (5 aborts in 6
+# with gloo's workers starved: SCHED_IDLE on one CPU, against 2 in 4 without the barrier).
 EXIT_TIME_ABORT = "terminate called without an active exception"
 
 
@@ -179,7 +189,7 @@ def common_values(outcome: dict, variable: str, side: str):
 
 
 def test_every_pair_has_two_sides_that_compare_the_same_things():
-    assert len(PAIR_SIDES) >= 1
+    assert len(PAIR_SIDES) >= 10
     for pair, sides in PAIR_SIDES.items():
         assert sides.keys() == {"before", "after"}, f"pair {pair}: {sorted(sides)}"
         assert sides["before"][3] == sides["after"][3], f"pair {pair} compares different variables"
@@ -208,7 +218,7 @@ def test_pair_sides_agree(pair, tmp_path):
 
 def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
     """The guide says the two-head model fails without find_unused_parameters=True: it does."""
-    (marker, code), = [p.values for p in RUNNABLE if "find_unused_parameters=True" in p.values[1]]
+    (marker, code), = [p.values for p in RUNNABLE if "Kwargs(find_unused_parameters=True" in p.values[1]]
     snippet = tmp_path / "snippet.py"
     snippet.write_text(code.replace("find_unused_parameters=True", "find_unused_parameters=False"))
     proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240, check=False)
