@@ -196,7 +196,8 @@ def test_every_pair_has_two_sides_that_compare_the_same_things():
         for side, (name, launcher, code, variables) in sides.items():
             assert launcher in RUNNERS, f"{name}: a pair's sides run"
             for variable in variables:
-                assert re.search(rf"^\s*{variable}\b.*=", code, flags=re.MULTILINE), f"{name} never sets {variable}"
+                assigned = rf"^[^#\n=]*\b{variable}\b[^#\n=]*=[^=]"  # 'a, variable = ...' too
+                assert re.search(assigned, code, flags=re.MULTILINE), f"{name} never sets {variable}"
 
 
 @pytest.mark.parametrize("pair", sorted(PAIR_SIDES))
