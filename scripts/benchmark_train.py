@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before the process group: see the end of main()
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -243,8 +244,14 @@ def main(args):
         write_json_atomically(Path(args.output_dir) / "results.json", results)
     if distributed:
         dist.barrier()
-        if accelerator is None:
-            dist.destroy_process_group()
+    # Release the DDP model first: destroying the group then stops gloo's threads before Python exits
+    # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+    del model
+    if accelerator is not None:
+        accelerator.free_memory()  # [accelerate] its references to the model
+        accelerator.end_training()  # [accelerate]
+    elif distributed:
+        dist.destroy_process_group()
 
 
 def evaluate(model, eval_dataset, batch_size, device, rank, world_size, distributed, autocast):

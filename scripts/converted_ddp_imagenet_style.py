@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.nn  # noqa: F401  before any process group: docs/migration_guide.md, "Ending a run cleanly"
 from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
 from accelerate.utils import set_seed  # [accelerate]
 from torch import nn
@@ -143,6 +144,9 @@ def main(args):
         best_acc1 = max(acc1, best_acc1)
         # [accelerate] every process calls it: save_state writes each process's RNG state
         save_checkpoint(accelerator, {"epoch": epoch + 1, "best_acc1": best_acc1}, is_best, args.checkpoint_dir)
+    # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
+    # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+    model, optimizer = accelerator.free_memory(model, optimizer)
     accelerator.end_training()  # [accelerate]
 
 

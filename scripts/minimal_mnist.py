@@ -9,10 +9,12 @@
 import argparse
 import gzip
 import json
+import os  # [accelerate] the launch check reads the launcher's environment
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.nn  # noqa: F401  [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.utils import set_seed  # [accelerate]
@@ -56,7 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--output_dir", default="outputs/minimal")
+    # outputs/minimal_mnist_plain or outputs/minimal_mnist: each script of the pair its own folder
+    parser.add_argument("--output_dir", default=f"outputs/{Path(__file__).stem}")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     return parser.parse_args(argv)
 
@@ -65,6 +68,14 @@ def main(args):
     # [accelerate] the device, the processes and the precision (fp16/bf16) come from `accelerate config` / launch
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)  # [accelerate]
+    # [accelerate] refuse launches that would run, but not as asked (utils/launch_checks.py: the exact check)
+    started = int(os.environ.get("WORLD_SIZE", 1))  # [accelerate] set by torchrun, accelerate's multi-process launcher
+    if accelerator.num_processes != started:  # [accelerate] without --cpu, CPU processes train alone
+        sys.exit(f"error: {started} processes started but formed no group; add --cpu after the script name")
+    if started == 1 and "MASTER_ADDR" in os.environ:  # [accelerate] set for several processes, yet one started
+        sys.exit("error: accelerate launch was asked for several processes but started one; add --multi_gpu to it")
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":  # [accelerate] would run fp32
+        sys.exit("error: fp16 needs a GPU (the CPU silently trains fp32); launch with --mixed_precision no or bf16")
 
     train_dataloader = DataLoader(load_split(args.data_dir, "train"), batch_size=args.batch_size, shuffle=True)
     eval_dataloader = DataLoader(load_split(args.data_dir, "t10k"), batch_size=args.batch_size)
@@ -99,6 +110,8 @@ def main(args):
     if accelerator.is_main_process:  # [accelerate]
         results = {"eval_accuracy": correct / total, "eval_samples": total, "num_processes": accelerator.num_processes}
         (Path(args.output_dir) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    model, optimizer = accelerator.free_memory(model, optimizer)  # [accelerate] release the DDP model, then
+    accelerator.end_training()  # [accelerate] end the process group: no gloo thread is left to abort the exit
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 """Train once per point of a hyperparameter grid, one run after the other, and print a table.
 
     python scripts/sweep.py --grid learning_rate=1e-3,3e-3 --grid batch_size=32,64 \\
-        --config_file accelerate_configs/cpu_2proc.yaml -- scripts/train_mnist.py --cpu --epochs 1
+        --config_file accelerate_configs/cpu_2proc.yaml -- scripts/train_mnist.py --cpu --epochs 1 \\
+        --data_dir path/to/MNIST/raw
 
 Every run is `accelerate launch --config_file C --main_process_port P SCRIPT ARGS
 --output_dir OUTPUT_DIR/NAME --learning_rate ... --batch_size ...`: its own output folder

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed.nn  # noqa: F401  [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.logging import get_logger  # [accelerate]
@@ -34,19 +35,23 @@ from utils.batch_size import fit_batch_size  # noqa: E402
 from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
     batches_to_skip,
+    check_output_dir,
     epochs_to_train,
     gather_running_loss,
     load_checkpoint,
+    nothing_left_to_train,
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
     save_if_best,
+    start_output_dir,
 )
 from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import (  # noqa: E402
     build_parser,
     check_flag_combinations,
+    default_num_workers,
     non_negative_float,
     positive_int,
     tracker_config,
@@ -65,7 +70,7 @@ from utils.metrics import load_metric  # noqa: E402
 from utils.models import build_model, stem_of  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, create_output_dir, report_run  # noqa: E402
+from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
 from utils.signals import StopSignal, ignore_stop_signals, stop_requested  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
@@ -99,7 +104,9 @@ def parse_args(argv=None):
                        help="random horizontal flips; default: on in the imagenet recipe (photos), off otherwise")
     flips.add_argument("--no_hflip", dest="hflip", action="store_false",
                        help="no flips, where orientation matters: digits, text, icons")
-    data.add_argument("--num_workers", type=int, default=4, help="DataLoader processes per process (decode, augment)")
+    data.add_argument("--num_workers", type=int, default=None,
+                      help="DataLoader processes per process (decode, augment); default: the CPUs this process may use "
+                           "divided by the training processes on this machine, at most 4")
 
     model = parser.add_argument_group("model and optimisation")
     model.add_argument("--model", default="resnet18", help="torchvision model name, or module:function(num_classes)")
@@ -132,6 +139,8 @@ def parse_args(argv=None):
     check_flag_combinations(parser, args)
     if not 0 < args.val_split < 1:
         parser.error(f"--val_split must be between 0 and 1, got {args.val_split}")
+    if args.num_workers is None:  # e.g. 2 on a 2-core laptop, 1 each for 2 processes there, 4 on a GPU node
+        args.num_workers = default_num_workers()
     if args.num_workers < 0:
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if not 0 <= args.label_smoothing < 1:
@@ -144,6 +153,24 @@ def parse_args(argv=None):
     if args.hflip is None:
         args.hflip = default_hflip(args.augmentation)
     return args
+
+
+def describe_run(args) -> dict:
+    """What defines this run and cannot change when it resumes (--epochs and the process count can): recorded
+    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    return {
+        "script": Path(__file__).name,
+        "model": args.model, "pretrained": args.pretrained, "stem": args.stem,
+        "data": str(Path(args.data_dir).resolve()) if args.data_dir else args.dataset,
+        "dataset_config": args.dataset_config, "image_column": args.image_column, "label_column": args.label_column,
+        "val_split": args.val_split, "max_train_samples": args.max_train_samples,
+        "image_size": args.image_size, "augmentation": args.augmentation, "hflip": args.hflip,
+        "seed": args.seed,
+        # a resume restores the learning rate, momentum and weight decay with the optimizer state
+        "optimizer": args.optimizer, "learning_rate": args.learning_rate, "momentum": args.momentum,
+        "weight_decay": args.weight_decay, "label_smoothing": args.label_smoothing,
+        "lr_scheduler": "warmup_cosine", "warmup_epochs": args.warmup_epochs,
+    }
 
 
 def evaluate(accelerator, model, dataloader, metric, channels_last=False):
@@ -180,6 +207,8 @@ def main(args):
         make_deterministic()
     checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
     progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
+    run = describe_run(args)  # what defines this run: recorded as run.json with each of its checkpoints
+    check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
 
     # [accelerate] DDP options: Accelerate builds DistributedDataParallel, so they travel as kwargs.
     ddp_kwargs = DistributedDataParallelKwargs(
@@ -203,6 +232,9 @@ def main(args):
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
+    if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
+        accelerator.end_training()  # [accelerate]
+        return 0
     progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
     if args.sync_bn and accelerator.device.type != "cuda":
@@ -276,7 +308,7 @@ def main(args):
     # [accelerate] load_state: weights, optimizer, scheduler, GradScaler and RNG states, if there is a checkpoint
     load_checkpoint(accelerator, model, checkpoint, progress, args)
     if accelerator.is_main_process:  # only now, with data, model and checkpoint all valid, does the run write
-        create_output_dir(args.output_dir)
+        start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     if args.report_to:
         accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))  # [accelerate]
     results = {"train_loss": None}  # the last epoch's training and evaluation metrics
@@ -353,9 +385,9 @@ def main(args):
                 save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
     progress_bar.close()
 
+    if not args.eval_only:  # LambdaLR counts its steps in last_epoch; equal to global_step when stepped once per step
+        results["lr_scheduler_steps"] = lr_scheduler.scheduler.last_epoch
     results.update({
-        # LambdaLR counts its steps in last_epoch; equal to global_step when stepped once per optimizer step
-        "lr_scheduler_steps": lr_scheduler.scheduler.last_epoch,
         "model": args.model,
         "image_size": args.image_size,
         "augmentation": args.augmentation,  # the recipe --augmentation auto chose
@@ -370,14 +402,18 @@ def main(args):
     if stopping:
         logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue with "
                     f"--resume_from_checkpoint latest")
-        accelerator.end_training()  # [accelerate]
-        return stop_signal.exit_status
-    accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
-    if not args.eval_only:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
-        accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
-    report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
-    accelerator.end_training()  # [accelerate] closes the trackers
-    return 0
+    else:
+        accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
+        if args.eval_only:  # eval_results.json, beside the training run's results.json
+            report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
+        else:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
+            accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
+            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
+    # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
+    # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+    model, optimizer = accelerator.free_memory(model, optimizer)
+    accelerator.end_training()  # [accelerate] closes the trackers and the process group
+    return stop_signal.exit_status if stopping else 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed.nn  # noqa: F401  [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.logging import get_logger  # [accelerate]
@@ -31,13 +32,16 @@ from utils.batch_size import fit_batch_size  # noqa: E402
 from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
     batches_to_skip,
+    check_output_dir,
     gather_running_loss,
     load_checkpoint,
+    nothing_left_to_train,
     epochs_to_train,
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
     save_if_best,
+    start_output_dir,
 )
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
@@ -48,7 +52,7 @@ from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, create_output_dir, report_run  # noqa: E402
+from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
 from utils.signals import StopSignal, stop_requested  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
@@ -59,6 +63,22 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
     return args
+
+
+def describe_run(args) -> dict:
+    """What defines this run and cannot change when it resumes (the process count can): recorded as run.json
+    with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    return {
+        "script": Path(__file__).name,
+        "epochs": args.epochs,  # OneCycleLR spans exactly --epochs, and a resume restores its length with its state
+        "model": "ConvNet",
+        "data": str(Path(args.data_dir).resolve()) if args.data_dir else "ylecun/mnist",
+        "max_train_samples": args.max_train_samples,
+        "seed": args.seed,
+        "optimizer": "adamw",
+        "learning_rate": args.learning_rate,  # a resume restores the checkpoint's with the optimizer state
+        "lr_scheduler": "one_cycle",
+    }
 
 
 def evaluate(accelerator, model, dataloader, metric):
@@ -90,6 +110,8 @@ def main(args):
         make_deterministic()
     checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
     progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
+    run = describe_run(args)  # what defines this run: recorded as run.json with each of its checkpoints
+    check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         cpu=args.cpu, mixed_precision=args.mixed_precision,
@@ -107,6 +129,9 @@ def main(args):
     logger.info(accelerator.state)
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
+    if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
+        accelerator.end_training()  # [accelerate]
+        return 0
     progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
     with accelerator.main_process_first():  # [accelerate] the main process downloads, then the others read its cache
@@ -134,7 +159,7 @@ def main(args):
     # [accelerate] load_state: weights, optimizer, scheduler, GradScaler and RNG states, if there is a checkpoint
     load_checkpoint(accelerator, model, checkpoint, progress, args)
     if accelerator.is_main_process:  # only now, with data, model and checkpoint all valid, does the run write
-        create_output_dir(args.output_dir)
+        start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     if args.report_to:
         accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))  # [accelerate]
     results = {"train_loss": None}  # the last epoch's training and evaluation metrics
@@ -201,14 +226,18 @@ def main(args):
     if stopping:
         logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue with "
                     f"--resume_from_checkpoint latest")
-        accelerator.end_training()  # [accelerate]
-        return stop_signal.exit_status
-    accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
-    if not args.eval_only:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
-        accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
-    report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
-    accelerator.end_training()  # [accelerate] closes the trackers
-    return 0
+    else:
+        accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
+        if args.eval_only:  # eval_results.json, beside the training run's results.json
+            report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
+        else:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
+            accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
+            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
+    # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
+    # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+    model, optimizer = accelerator.free_memory(model, optimizer)
+    accelerator.end_training()  # [accelerate] closes the trackers and the process group
+    return stop_signal.exit_status if stopping else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
+EXIT_CHECK = REPO / "tests" / "exit_check"  # its sitecustomize.py: see run()
 # Real digits shared by the workplace; a user's clone has no ../shared.
 MNIST_10K = REPO.parent / "shared" / "data" / "mnist-10k"
 requires_mnist_10k = pytest.mark.skipif(
@@ -45,12 +47,21 @@ def launcher_args(num_processes: int = 1, config_file=None) -> list:
 
 
 def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
+    """Run a command; a run that succeeds must also have left no gloo worker thread alive at the exit of any of
+    its Python processes (tests/exit_check/sitecustomize.py records them): one alive there can abort the exit."""
+    env = {**os.environ, **(env or {})}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_CHECK), env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
+        env["EXIT_CHECK_DIR"] = exit_check_dir
+        proc = subprocess.run(
+            [str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd, env=env,
+        )
+        threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    assert proc.returncode != 0 or not threads_left, (
+        f"{' '.join(map(str, cmd))}: {''.join(threads_left)}release the DDP model before end_training "
+        f"(docs/migration_guide.md, 'Ending a run cleanly')")
     return proc
 
 

@@ -124,6 +124,7 @@ def resnet_with_unused_head(num_classes: int) -> nn.Module:
 
 def run_with_ddp_probe(argv) -> None:
     import torch
+    from accelerate import Accelerator
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
@@ -147,21 +148,35 @@ def run_with_ddp_probe(argv) -> None:
         )
 
     DistributedDataParallel.__init__ = patched_init
+    report = {"ddp_wrapped": False}
+
+    def read_ddp():
+        ddp = seen.pop("ddp", None)  # and let it go: the script ends only once its DDP model is released
+        if ddp is None:
+            return
+        logging_data = ddp._get_ddp_logging_data()
+        first_conv = next(m for m in ddp.module.modules() if isinstance(m, nn.Conv2d))
+        report.update({
+            "ddp_wrapped": True,
+            "comm_hook": logging_data.get("comm_hook"),
+            "find_unused_parameters": bool(logging_data.get("find_unused_parameters")),
+            "has_sync_bn": bool(logging_data.get("has_sync_bn")),
+            "synced_backward_passes": seen["synced_backward_passes"],
+            "weights_channels_last": first_conv.weight.is_contiguous(memory_format=torch.channels_last),
+            "inputs_channels_last": sorted(set(seen["input_channels_last"])),
+        })
+
+    # Read the DDP model when the script releases it (free_memory, just before end_training), not after the
+    # script: held past end_training, it would keep gloo's threads alive to the exit (helpers.run fails that).
+    original_free_memory = Accelerator.free_memory
+
+    def patched_free_memory(self, *objects):
+        read_ddp()
+        return original_free_memory(self, *objects)
+
+    Accelerator.free_memory = patched_free_memory
 
     def write_report():
-        ddp = seen["ddp"]
-        report = {"ddp_wrapped": ddp is not None}
-        if ddp is not None:
-            logging_data = ddp._get_ddp_logging_data()
-            first_conv = next(m for m in ddp.module.modules() if isinstance(m, nn.Conv2d))
-            report.update({
-                "comm_hook": logging_data.get("comm_hook"),
-                "find_unused_parameters": bool(logging_data.get("find_unused_parameters")),
-                "has_sync_bn": bool(logging_data.get("has_sync_bn")),
-                "synced_backward_passes": seen["synced_backward_passes"],
-                "weights_channels_last": first_conv.weight.is_contiguous(memory_format=torch.channels_last),
-                "inputs_channels_last": sorted(set(seen["input_channels_last"])),
-            })
         rank = os.environ.get("RANK", "0")  # the process group may be gone by now
         Path(f"{os.environ['DDP_PROBE_OUT']}.{rank}").write_text(json.dumps(report))
 

@@ -87,10 +87,12 @@ def test_resume_from_missing_checkpoint(data, tmp_path):
 
 def test_resume_from_corrupt_checkpoint(data, tmp_path):
     out = tmp_path / "out"
-    train("--data_dir", data, "--epochs", "1", "--checkpointing_steps", "epoch", "--output_dir", out)
-    (out / "epoch_0" / "model.safetensors").write_bytes(b"\x00" * 64)
-    proc = train("--data_dir", data, "--resume_from_checkpoint", out / "epoch_0", "--output_dir", tmp_path / "out2")
-    assert_clean_user_error(proc, "epoch_0", "corrupt")
+    # step_1: the one step of the epoch, saved before the epoch closed, so the resume has something left to do
+    train("--data_dir", data, "--epochs", "1", "--checkpointing_steps", "1", "--output_dir", out)
+    (out / "step_1" / "model.safetensors").write_bytes(b"\x00" * 64)
+    proc = train("--data_dir", data, "--epochs", "1", "--resume_from_checkpoint", out / "step_1",
+                 "--output_dir", tmp_path / "out2")
+    assert_clean_user_error(proc, "step_1", "corrupt")
     assert not (tmp_path / "out2").exists()
 
 

@@ -42,7 +42,12 @@ def test_quickstart_has_the_install_run_and_test_commands():
 
 def test_ci_runs_the_readme_install_and_test_commands():
     ci = (REPO / ".ci" / "run").read_text()
-    assert re.search(r"pip install .*-r requirements\.txt", ci)
+    assert "requirements=(-r requirements.txt -r requirements-trackers.txt)" in ci
+    assert 'install=("${requirements[@]}" -c constraints.txt)' in ci  # CI installs the versions that were tested
+    pinned = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    for package in ("torch", "torchvision", "accelerate", "datasets"):
+        assert f"{package} {pinned[package]}" in README, f"the README names the tested {package} {pinned[package]}"
     assert ci.rstrip().splitlines()[-1] == TEST_COMMAND
 
 
@@ -58,6 +63,55 @@ def test_quickstart_command_as_written_offline_asks_for_data_dir(tmp_path):
     proc = run([*ACCELERATE, *shlex.split(QUICKSTART_RUN)[1:], "--output_dir", tmp_path / "out"], check=False)
     assert proc.returncode != 0
     assert any(line.startswith("error: ") and "--data_dir" in line for line in proc.stderr.splitlines())
+
+
+# Our scripts that read MNIST, from the Hub unless --data_dir names local files (benchmark.py only for --models mnist).
+MNIST_SCRIPTS = re.compile(r"^scripts/(train_mnist|minimal_mnist|baselines/\w+_mnist|benchmark|benchmark_train)\.py$")
+
+
+def downloads(words: list):
+    """What the command, run as written, fetches from the network (None: nothing)."""
+    if "--dataset" in words:
+        return "a Hub dataset"
+    if "--pretrained" in words:
+        return "pretrained weights"
+    if "--data_dir" in words:
+        return None
+    models = words[words.index("--models") + 1] if "--models" in words else "mnist"
+    for script in (word for word in words if MNIST_SCRIPTS.match(word)):
+        if "mnist" in models or "benchmark" not in script:
+            return "MNIST from the Hub"
+    return None
+
+
+def readme_command_lines() -> list:
+    """(command, the comment on its line) for every line of the README's ```bash blocks."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command, comment = re.fullmatch(r"(.*?)(?:(?:^|\s)(#.*))?", line).groups()
+            if command.strip():
+                lines.append((command.strip(), comment or ""))
+    return lines
+
+
+def test_every_readme_command_runs_offline_or_says_in_its_line_what_it_needs():
+    """A user offline (or on a compute node without network) copies a command and it fails: each one names
+    local data with --data_dir, or its own line's comment says what it downloads / what to add."""
+    commands = readme_command_lines()
+    assert [command for command, _ in commands] == bash_commands(README)
+    needing = []
+    for command, comment in commands:
+        fetched = downloads(shlex.split(command))
+        if fetched == "MNIST from the Hub" and "--data_dir" not in comment:
+            needing.append(command)
+        elif fetched in ("a Hub dataset", "pretrained weights") and "network" not in comment:
+            needing.append(command)
+    assert not needing, "add --data_dir path/to/MNIST/raw, or say what it downloads:\n" + "\n".join(needing)
+    # the rule can fail: the Quickstart's command downloads, and its comment says what to add
+    quickstart = ("accelerate launch scripts/train_mnist.py",
+                  "# downloads MNIST once; offline add --data_dir path/to/MNIST/raw")
+    assert downloads(shlex.split(quickstart[0])) == "MNIST from the Hub" and quickstart in commands
 
 
 def first_command_per_topology() -> list:

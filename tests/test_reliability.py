@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -143,6 +144,41 @@ def test_sigterm_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(da
     assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
         assert resumed[key] == reference[key], key
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, tmp_path):
+    """SIGTERM to rank 1's PID alone (one node's share of a preempted job, a `kill` by hand): Accelerate's trigger
+    tells rank 0, so both save the same step and exit with 128 + 15, at once. (A per-process stop would leave
+    rank 0 training while rank 1 waits in the save's barrier until --ddp_timeout.)"""
+    out, exits = tmp_path / "out", tmp_path / "exits"
+    # sample_recorder.py runs the script unchanged and writes each process's exit status to exits.rank{N}.exit
+    cmd = [*launcher_args(2), REPO / "tests" / "sample_recorder.py", TRAIN_MNIST, "--cpu", "--data_dir", data,
+           "--output_dir", out, "--epochs", "100", "--batch_size", "16", "--checkpointing_steps", "5",
+           "--save_on_signal", "--ddp_timeout", "60"]  # 100 epochs: it cannot finish before the signal lands
+    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, errors="replace", env={**os.environ, "SAMPLE_LOG": str(exits)},
+                           start_new_session=True)
+    try:
+        wait_for_path(out / "step_5", job)
+        (rank_1,) = [p for p in training_processes(out) if p.environ().get("LOCAL_RANK") == "1"]
+        signalled = time.monotonic()
+        rank_1.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=120)
+        took = time.monotonic() - signalled
+    finally:
+        if job.poll() is None:  # the launcher, its agent and the workers: one session
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    stopped = STOPPED_BY_SIGNAL.search(output)  # logged by rank 0, which got no signal
+    assert stopped, output[-3000:]
+    step = int(stopped[1])
+    assert took < 30, f"{took:.0f} s: ended by a timeout, not by the trigger"
+    assert [exits.with_name(f"exits.rank{rank}.exit").read_text() for rank in range(2)] == ["143", "143"]
+    assert job.returncode != 0  # the launcher reports its workers' failure
+    saved = out / f"step_{step}"
+    assert stopped[2] == str(saved) and json.loads((saved / "training_state.json").read_text())["global_step"] == step
+    assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert not list(out.glob(".tmp-*")) and not (out / "results.json").exists()
 
 
 def test_interrupted_save_is_ignored_and_cleaned_up(data, uninterrupted, tmp_path):

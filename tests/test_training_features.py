@@ -90,7 +90,9 @@ def test_best_holds_the_best_epochs_plain_weights_and_eval_only_evaluates_them(e
     eval_out.mkdir()
     (eval_out / "best").symlink_to(out / "best")
     launch(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
-    assert results(eval_out)["eval_accuracy"] == r["best_eval_accuracy"]
+    evaluated = json.loads((eval_out / "eval_results.json").read_text())  # --eval_only's own file
+    assert evaluated["eval_accuracy"] == r["best_eval_accuracy"]
+    assert evaluated["checkpoint_epochs_done"] == r["best_epoch"] + 1 and evaluated["run"]["epochs"] == 12
 
 
 def test_profile_writes_one_trace_per_process_and_prints_the_top_operators(early_stopped):

@@ -20,6 +20,7 @@ FLAGS_THE_BASELINES_LACK = {
     "checkpointing_steps": None,
     "checkpoints_total_limit": None,
     "resume_from_checkpoint": None,
+    "overwrite_output_dir": False,
     "save_on_signal": False,
     "eval_only": False,
     "with_tracking": False,

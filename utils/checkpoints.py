@@ -3,10 +3,14 @@
 A checkpoint is complete when its folder carries `training_state.json`, which is written
 last, inside a temporary folder that is renamed into place. An interrupted save leaves only
 a `.tmp-*` folder, which `find_latest_checkpoint` never returns.
+
+Each checkpoint also carries `run.json`, what defines the run that saved it (model, data, seed,
+schedule, batch geometry), so that one --output_dir never mixes two runs: see check_output_dir.
 """
 
 import dataclasses
 import json
+import logging
 import math
 import re
 import shutil
@@ -17,13 +21,43 @@ from safetensors.torch import load_file
 
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
-from utils.results import write_json_atomically
+from utils.results import EVAL_RESULTS, RUN_RECORD, create_output_dir, read_run_record, write_json_atomically
 
 TRAINING_STATE = "training_state.json"
 BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model.safetensors and training state
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
+# What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
+RUN_FILES = ("model.safetensors", RUN_RECORD, "results.json", EVAL_RESULTS)
 logger = get_logger(__name__)
+
+
+class AccelerateSaveLines(logging.Filter):
+    """Accelerate's info lines about saved files, made true. save_state logs one line per file into the
+    temporary folder, renamed a moment later (save_checkpoint then logs one line for the final folder), and
+    names sampler.bin, which it writes only for iterable datasets; save_model names pytorch_model.bin when it
+    wrote model.safetensors. Those lines are dropped, or pointed at the file that was written; warnings and
+    errors always pass."""
+
+    SAVED = re.compile(r"^(.* (?:saved in|Saving current state to) )(\S+)$")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = self.SAVED.match(record.getMessage()) if record.levelno < logging.WARNING else None
+        if match is None:
+            return True
+        path = Path(match[2])
+        if f"/{TMP_PREFIX}" in path.as_posix():
+            return False
+        if not path.exists() and path.name == "pytorch_model.bin" and path.with_name("model.safetensors").is_file():
+            record.msg, record.args = f"{match[1]}{path.with_name('model.safetensors')}", ()
+            return True
+        return path.exists()
+
+
+# Installed once, on the loggers of accelerate's modules that save (checkpointing: save_state, accelerator:
+# save_model), so that every save of the scripts is covered, also their final save_model.
+for _name in ("accelerate.checkpointing", "accelerate.accelerator"):
+    logging.getLogger(_name).addFilter(AccelerateSaveLines())
 
 
 @dataclasses.dataclass
@@ -77,14 +111,16 @@ def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, o
     nonfinite = rows[rows[:, 2] >= 0]
     if accelerator.scaler is None and len(nonfinite):
         step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:].tolist()
+        # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
         raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
-                        f"{find_latest_checkpoint(output_dir) or 'none'}; lower --learning_rate and resume from it")
+                        f"{find_latest_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
+                        f"start afresh with a lower --learning_rate and --overwrite_output_dir")
 
 
 def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgress, total_limit=None,
                     write_into=None) -> Path:
     """`accelerator.save_state` (or `write_into(folder)`, called on every process) into a temporary
-    folder, then one rename makes it visible.
+    folder, then one rename makes it visible. OUTPUT_DIR/run.json (start_output_dir) goes in too.
 
     Collective: every process calls it at the same step (it holds barriers, and each process
     writes its own RNG state); the main process writes training_state.json and renames.
@@ -100,10 +136,13 @@ def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgre
         write_into(tmp)
     accelerator.wait_for_everyone()  # every rank has finished writing into tmp
     if accelerator.is_main_process:
+        if (output_dir / RUN_RECORD).is_file():  # which run the checkpoint belongs to, for a resume to check
+            shutil.copyfile(output_dir / RUN_RECORD, tmp / RUN_RECORD)
         write_json_atomically(tmp / TRAINING_STATE, dataclasses.asdict(progress))
         if final.exists():  # e.g. the same step saved again after a restart
             shutil.rmtree(final)
         tmp.rename(final)
+        logger.info(f"Saved {final}: {', '.join(sorted(path.name for path in final.iterdir()))}")
         if total_limit:
             for old in list_checkpoints(output_dir)[:-total_limit]:
                 shutil.rmtree(old)
@@ -241,6 +280,82 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
         raise UserError(f"{checkpoint} holds the best weights only (no optimizer state): evaluate them with "
                         f"--eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     return checkpoint
+
+
+def check_output_dir(run: dict, checkpoint, args) -> None:
+    """Before anything is written (every process reads the same files and decides the same): one --output_dir
+    never mixes two runs. A run that does not continue its own checkpoints refuses a folder holding checkpoints
+    (unless --overwrite_output_dir, which start_output_dir then acts on); a resume refuses a checkpoint whose
+    run.json differs from `run` (what cannot change: the caller's describe_run()). --eval_only writes only
+    eval_results.json and is not checked."""
+    if args.eval_only:
+        return
+    output_dir = Path(args.output_dir)
+    continuing_here = checkpoint is not None and Path(checkpoint).resolve().parent == output_dir.resolve()
+    # 'latest' that found nothing is a first start (or a restart before the first checkpoint): nothing to mix
+    fresh_start = checkpoint is None and args.resume_from_checkpoint == "latest"
+    if not (continuing_here or fresh_start or args.overwrite_output_dir):
+        held = [folder.name for folder in [*list_checkpoints(output_dir), output_dir / BEST]
+                if (folder / TRAINING_STATE).is_file()]
+        if held:
+            fix = ("continue that run with --resume_from_checkpoint latest, or pass --overwrite_output_dir to delete "
+                   "them and start afresh" if checkpoint is None else f"continue {checkpoint} in another --output_dir")
+            raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
+                            f"({', '.join(held)}); {fix}")
+    if checkpoint is None:
+        return
+    recorded = read_run_record(checkpoint)
+    if recorded is None:  # logging's own stderr handler: the Accelerator, and so its logger, does not exist yet
+        logging.getLogger(__name__).warning(
+            f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is of this run")
+        return
+    differences = [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in run.items()
+                   if recorded.get(key) != value]
+    if differences:
+        raise UserError(f"{checkpoint} was saved by a different run ({'; '.join(differences)}); resume with its "
+                        f"values, or start a new run in another --output_dir")
+
+
+def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
+    """Main process, once data, model and checkpoint are known good: creates --output_dir. --overwrite_output_dir
+    first deletes what an earlier run left there (checkpoints, best/, .tmp-* folders, RUN_FILES), so that
+    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what
+    may change on a resume (--epochs, the process count, the batch split), which its checkpoints copy."""
+    output_dir = Path(args.output_dir)
+    if args.overwrite_output_dir and output_dir.is_dir():
+        deleted = []
+        for path in sorted(output_dir.iterdir()):
+            if CHECKPOINT_NAME.match(path.name) or path.name == BEST or path.name.startswith(TMP_PREFIX):
+                shutil.rmtree(path)
+            elif path.name in RUN_FILES:
+                path.unlink()
+            else:
+                continue
+            deleted.append(path.name)
+        if deleted:
+            logger.info(f"--overwrite_output_dir: deleted {', '.join(deleted)} in {output_dir}", main_process_only=True)
+    create_output_dir(output_dir)
+    if not args.eval_only:
+        write_json_atomically(output_dir / RUN_RECORD, {
+            **run,
+            "epochs": args.epochs,
+            "num_processes": progress.num_processes,
+            "batch_size_per_process": args.batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "global_batch_size": progress.global_batch_size,
+        })
+
+
+def nothing_left_to_train(progress: TrainingProgress, checkpoint, args) -> bool:
+    """A resume from a checkpoint at or past --epochs (a finished run started again by a restart loop or a
+    requeue, or a lower --epochs): says so in one line (main process). The caller then ends with status 0
+    and writes nothing, so model.safetensors and results.json stay those of the run that trained them."""
+    if progress.epoch < args.epochs:
+        return False
+    logger.info(f"Nothing left to train: {checkpoint} has {progress.epoch} epochs done (step {progress.global_step}) "
+                f"and --epochs is {args.epochs}; model.safetensors and results.json left as they are (raise --epochs "
+                f"to train further)", main_process_only=True)
+    return True
 
 
 def gradient_accumulation_for(progress: TrainingProgress, num_processes: int, args) -> int:

@@ -6,6 +6,7 @@ Names follow accelerate's examples (`--mixed_precision`, `--cpu`, `--output_dir`
 
 import argparse
 import importlib.util
+import os
 from pathlib import Path
 
 from utils.errors import exit_with_error
@@ -27,6 +28,14 @@ def _parse(text: str, convert, expected: str):
         return convert(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def default_num_workers(most: int = 4) -> int:
+    """DataLoader workers per training process that this machine can serve: the CPUs this process may
+    run on, shared among the training processes on this machine (torchrun's LOCAL_WORLD_SIZE), at most
+    `most`. More workers than CPUs only queue for them, and PyTorch warns about it."""
+    usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(most, usable_cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def positive_int(text: str) -> int:
@@ -107,7 +116,14 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     data.add_argument("--max_eval_samples", type=positive_int, default=None, help="use only the first N")
 
     out = parser.add_argument_group("output and checkpoints")
-    out.add_argument("--output_dir", type=Path, default=Path("outputs"), help="checkpoints, model.safetensors, results.json, logs")
+    out.add_argument("--output_dir", type=Path, default=Path("outputs"),
+                     help="checkpoints, model.safetensors, run.json, results.json, logs; one run per folder")
+    out.add_argument(
+        "--overwrite_output_dir", action="store_true",
+        help="start afresh in an --output_dir that holds another run's checkpoints (without it the run stops): first "
+             "delete its checkpoint folders, best/, model.safetensors, run.json, results.json and eval_results.json "
+             "(other files stay), so 'latest' can never pick them up",
+    )
     out.add_argument(
         "--checkpointing_steps", type=checkpointing_steps, default=None,
         help="save a checkpoint every N optimizer steps, or 'epoch' at the end of every epoch",
@@ -123,7 +139,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
         help="on SIGTERM/SIGUSR1 (Slurm preemption), finish the step, save step_N and exit with 128+signal",
     )
     out.add_argument("--eval_only", action="store_true",
-                     help="evaluate --resume_from_checkpoint (a checkpoint, or 'best') and write results")
+                     help="evaluate --resume_from_checkpoint (a checkpoint, or 'best'), print the metrics and write "
+                          "them to OUTPUT_DIR/eval_results.json (results.json stays the training run's)")
     out.add_argument(
         "--metric_for_best", choices=sorted(HIGHER_IS_BETTER), default=None,
         help="keep the best epoch's weights in OUTPUT_DIR/best (default eval_loss with --early_stopping_patience)",
@@ -161,6 +178,8 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
     if args.resume_from_checkpoint == "best" and not args.eval_only:
         parser.error("--resume_from_checkpoint best holds the best weights only (no optimizer state): evaluate them "
                      "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
+    if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
+        parser.error("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: pass one")
     if args.early_stopping_patience is not None and args.metric_for_best is None:
         args.metric_for_best = "eval_loss"  # as the HF Trainer
     installed = [name for name in TRACKERS if importlib.util.find_spec(name)]

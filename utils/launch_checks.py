@@ -2,6 +2,7 @@
 Accelerator is built, each ending with one `error:` line."""
 
 import os
+from pathlib import Path
 
 from utils.errors import UserError
 
@@ -12,13 +13,27 @@ FSDP_NEEDS_GPUS = ("the launch asks for FSDP, which shards the model over GPUs, 
 
 def check_accelerator(accelerator) -> None:
     """Catch launch setups that would run, but not as the user meant."""
+    # The processes that started: torchrun (accelerate's launcher for several processes) sets
+    # WORLD_SIZE, and so does the Accelerator under mpirun; the one-process launcher sets nothing.
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
     # accelerate's multi-GPU launcher does not forward a YAML's `use_cpu: true`: on a
     # machine without GPUs, a script that does not pass cpu=True gets N lone processes.
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise UserError(
             f"accelerate launch started {launched} processes but they did not form one group "
             f"(this one sees {accelerator.num_processes}); on a machine without GPUs add --cpu to the script's flags"
+        )
+    # Without --multi_gpu (or distributed_type MULTI_GPU) accelerate runs the script once, however
+    # many processes were asked for: `distributed_type: MULTI_CPU` without mpirun (what `accelerate
+    # config` writes for "multi-CPU"), `--num_processes 2` alone, or accelerate launch's own --cpu.
+    requested = requested_num_processes()
+    if requested is not None and max(requested[0], 1) != launched:
+        num_processes, source = requested
+        raise UserError(
+            f"accelerate launch was asked for {num_processes} processes ({source}) but started {launched}: without "
+            f"--multi_gpu it runs the script once; launch with --multi_gpu --num_processes {num_processes} (or "
+            f"--config_file accelerate_configs/cpu_2proc.yaml), and on CPUs put --cpu after the script name, not "
+            f"before it"
         )
     # Accelerate has no fp16 autocast on the CPU: it would silently train in fp32.
     if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
@@ -26,6 +41,61 @@ def check_accelerator(accelerator) -> None:
             "fp16 mixed precision needs a GPU (on the CPU it would silently run in fp32); "
             "use --mixed_precision bf16 or no on the CPU"
         )
+
+
+def requested_num_processes():
+    """(num_processes, where it was set) that `accelerate launch` was asked for, read as accelerate
+    reads it: its --num_processes, else the config's (--config_file, or `accelerate config`'s default
+    file unless accelerate launch got --cpu). None when no `accelerate launch` started this process
+    (python, torchrun, a notebook) or its command line cannot be read.
+
+    accelerate passes the count to no process it starts (no ACCELERATE_NUM_PROCESSES; torchrun's
+    WORLD_SIZE says what started, not what was asked), and its one-process launcher leaves only
+    MASTER_ADDR / MASTER_PORT behind, which a user's or Slurm's environment may set for other
+    reasons. So this reads the launcher's own command line, from the nearest ancestor process
+    running `accelerate launch`, with accelerate's own argument parser.
+    """
+    import psutil
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        for process in psutil.Process().parents():
+            launch_args = _accelerate_launch_args(process.cmdline())
+            if launch_args is not None:
+                launcher_dir = Path(process.cwd())
+                break
+        else:
+            return None
+        args = launch_command_parser().parse_args(launch_args)
+    except (psutil.Error, SystemExit):  # a launcher gone or not ours to read, a command line we cannot parse
+        return None
+    if args.num_processes is not None:
+        return args.num_processes, f"--num_processes {args.num_processes}"
+    config_file = args.config_file
+    if config_file is None and os.path.isfile(default_config_file) and not args.cpu:
+        config_file = default_config_file
+    if config_file is None:  # accelerate then counts the GPUs and starts at most one process without --multi_gpu
+        return None
+    num_processes = load_config_from_file(str(launcher_dir / config_file)).num_processes
+    if num_processes is None:
+        return None
+    return num_processes, f"num_processes: {num_processes} in {config_file}"
+
+
+def _accelerate_launch_args(cmdline: list):
+    """The arguments after `launch` in `accelerate launch ...`, `accelerate-launch ...`,
+    `python -m accelerate.commands.launch ...` or `python -m accelerate.commands.accelerate_cli launch ...`;
+    None for any other command line."""
+    for i, word in enumerate(cmdline[:3]):  # the program itself, or after the interpreter, or after `python -m`
+        if i == 2 and cmdline[1] != "-m":
+            break
+        name = Path(word).name
+        if name in ("accelerate-launch", "accelerate.commands.launch"):
+            return cmdline[i + 1:]
+        if name in ("accelerate", "accelerate.commands.accelerate_cli") and cmdline[i + 1:i + 2] == ["launch"]:
+            return cmdline[i + 2:]
+    return None
 
 
 def fsdp_launch() -> bool:

@@ -1,5 +1,6 @@
 """--profile: a torch.profiler trace of a few steady-state training steps on every process."""
 
+import os
 from pathlib import Path
 
 import torch
@@ -30,6 +31,12 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.accelerator.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            if not torch.cuda.is_available():
+                # A CUDA build of torch without a GPU driver: writing the trace, the profiler (kineto) asks CUDA
+                # for the GPUs' properties and prints "ERROR: ... gpuGetDeviceCount failed with code 35" (no
+                # driver), although CPU-only traces need none. Level 5 keeps only its USDT start/stop lines; a
+                # level the user set stays.
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             self.profiler = torch.profiler.profile(
                 activities=activities,
                 schedule=torch.profiler.schedule(skip_first=SKIP_FIRST, wait=0, warmup=WARMUP, active=ACTIVE, repeat=1),

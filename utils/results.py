@@ -1,4 +1,5 @@
-"""What a run reports: results.json, training throughput, peak memory, replica fingerprints."""
+"""What a run reports: results.json (training) or eval_results.json (--eval_only), the run record run.json,
+training throughput, peak memory, replica fingerprints."""
 
 import hashlib
 import json
@@ -12,6 +13,9 @@ from accelerate.utils import is_compiled_module
 
 from utils.errors import UserError
 
+RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/checkpoints.py)
+EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
+
 
 class ThroughputMeter:
     """Wall time of the training steps only (evaluation and checkpoint saving excluded).
@@ -24,7 +28,7 @@ class ThroughputMeter:
         self.device, self.warmup_batches = device, warmup_batches
         self.batches = 0
         self.train_time_s = self.steady_time_s = 0.0
-        self.steady_samples = 0
+        self.steady_samples = self.samples = 0
         self._last = None
 
     def _now(self):
@@ -42,6 +46,7 @@ class ThroughputMeter:
         now = self._now() if self.batches == self.warmup_batches else time.perf_counter()
         elapsed, self._last = now - self._last, now
         self.train_time_s += elapsed
+        self.samples += num_samples
         if self.batches > self.warmup_batches:
             self.steady_time_s += elapsed
             self.steady_samples += num_samples
@@ -128,19 +133,27 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
     """Collective: every process calls it once, after training. Completes `results` with what the
     run measured and the main process writes results.json.
 
-    Throughput is the samples of all processes over the slowest one's steady-state time. Every
+    Throughput is the samples of all processes over the slowest one's steady-state time (over all its
+    batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
     replica must hold the same weights: each process adds the fingerprints of its parameters and
     buffers (BatchNorm statistics agree after an evaluation: DDP broadcasts buffers from rank 0 at
     every forward). Under FSDP each process holds a shard, so the full weights are fingerprinted once.
     """
     device = accelerator.device
     per_process = accelerator.gather(torch.tensor(
-        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device)]],
+        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device), meter.samples]],
         dtype=torch.float64, device=device,
     )).cpu()
-    slowest = per_process[:, 1].max().item()
-    results["train_samples_per_second"] = per_process[:, 0].sum().item() / slowest if slowest > 0 else None
-    results["train_time_s"] = per_process[:, 2].max().item()
+    slowest, slowest_in_all = per_process[:, 1].max().item(), per_process[:, 2].max().item()
+    if slowest > 0:
+        results["train_samples_per_second"] = per_process[:, 0].sum().item() / slowest
+        results["train_samples_per_second_over"] = "steady_state"
+    elif slowest_in_all > 0:  # no more batches than the warm-up: all count, warm-up included (a lower bound)
+        results["train_samples_per_second"] = per_process[:, 4].sum().item() / slowest_in_all
+        results["train_samples_per_second_over"] = "all_batches"
+    else:  # nothing trained (--eval_only, or a resume with no step left)
+        results["train_samples_per_second"], results["train_samples_per_second_over"] = None, "no_batches"
+    results["train_time_s"] = slowest_in_all
     results["peak_memory_mb"] = per_process[:, 3].max().item()
     if accelerator.is_fsdp2:
         full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
@@ -170,12 +183,48 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "parameter_fingerprints": [row[0] for row in replicas],
             "buffer_fingerprints": [row[1] for row in replicas],
         })
-        if args.metric_for_best is not None and not args.eval_only:
+        if args.metric_for_best is not None:
             results.update({"metric_for_best": args.metric_for_best, "best_epoch": progress.best_epoch,
                             f"best_{args.metric_for_best}": progress.best_metric,
                             "stopped_early": progress.epoch < args.epochs})
         write_json_atomically(Path(args.output_dir) / "results.json", results)
         print(f"Wrote {Path(args.output_dir) / 'results.json'}", flush=True)
+
+
+def read_run_record(folder):
+    """The run.json in `folder` (a checkpoint), or None where there is none (saved before runs were recorded)."""
+    path = Path(folder) / RUN_RECORD
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is unreadable ({type(err).__name__}); use another checkpoint") from None
+
+
+def report_evaluation(accelerator, results: dict, checkpoint, progress, output_dir) -> None:
+    """--eval_only: the main process prints the metrics and writes OUTPUT_DIR/eval_results.json (never
+    results.json, which belongs to the run that trained), describing the checkpoint evaluated: its path,
+    how far it had trained and the run it comes from (its run.json, with that run's --epochs)."""
+    if not accelerator.is_main_process:
+        return
+    metrics = {key: value for key, value in results.items() if key != "train_loss"}  # nothing was trained
+    record = {
+        **metrics,
+        "checkpoint": str(checkpoint),
+        "checkpoint_epochs_done": progress.epoch,  # whole epochs trained when it was saved
+        "checkpoint_global_step": progress.global_step,
+        "checkpoint_samples_seen": progress.samples_seen,
+        "run": read_run_record(checkpoint),  # null for a checkpoint saved before runs were recorded
+        "num_processes": accelerator.num_processes,
+        "mixed_precision": accelerator.mixed_precision,
+    }
+    path = Path(output_dir) / EVAL_RESULTS
+    write_json_atomically(path, record)
+    scores = ", ".join(f"{key} {value:.4f}" for key, value in metrics.items()
+                       if key.startswith("eval_") and isinstance(value, float))
+    print(f"Evaluated {checkpoint} (after {progress.epoch} epochs, step {progress.global_step}): {scores} "
+          f"on {metrics['eval_samples']} samples; wrote {path}", flush=True)
 
 
 def write_json_atomically(path, data: dict) -> None:

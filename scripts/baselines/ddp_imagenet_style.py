@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed.nn  # noqa: F401  before any process group: docs/migration_guide.md, "Ending a run cleanly"
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
@@ -179,6 +180,9 @@ def main_worker(gpu, ngpus_per_node, use_cuda, args):
                 "scaler": scaler.state_dict(),
             }, is_best, args.checkpoint_dir)
     if args.distributed:
+        # release the DDP model first: destroying the group then stops gloo's threads before Python exits
+        # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+        del model
         dist.destroy_process_group()
 
 

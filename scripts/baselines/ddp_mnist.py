@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  imported before the process group: see the end of main()
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -214,6 +215,9 @@ def main(args):
         write_json_atomically(output_dir / "results.json", results)
         logger.info(f"Wrote {output_dir / 'results.json'}")
     dist.barrier()  # nobody leaves while rank 0 still writes
+    # Release the DDP model first: destroying the group then stops gloo's threads before Python exits
+    # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
+    del model
     dist.destroy_process_group()
 
 

@@ -55,7 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--output_dir", default="outputs/minimal")
+    # outputs/minimal_mnist_plain or outputs/minimal_mnist: each script of the pair its own folder
+    parser.add_argument("--output_dir", default=f"outputs/{Path(__file__).stem}")
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is present")
     return parser.parse_args(argv)
 

@@ -1,0 +1,55 @@
+"""Loaded by every Python process that tests/helpers.run starts (it puts this folder on PYTHONPATH): at exit,
+a process whose gloo worker threads are still alive writes a file saying so into $EXIT_CHECK_DIR. Such a
+thread can abort the exit ("terminate called without an active exception"; docs/migration_guide.md, "Ending a
+run cleanly"), one run in seven at worst, so a script that ends without releasing its DDP model before
+end_training fails its test every time instead. Registered first, this handler runs after the script's own
+(atexit runs them last in, first out)."""
+
+import atexit
+import os
+import sys
+
+
+def _record_gloo_threads_left():
+    folder = os.environ.get("EXIT_CHECK_DIR")
+    try:
+        names = [open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: nothing to check
+        return
+    if folder and "pt_gloo_runloop" in names:
+        with open(os.path.join(folder, f"{os.getpid()}.txt"), "w") as file:
+            file.write(f"{names.count('pt_gloo_runloop')} gloo worker threads alive at the exit of {sys.argv}\n")
+
+
+atexit.register(_record_gloo_threads_left)
+
+
+def _starve_gloo_workers():
+    """STARVE_GLOO=1 (tests/stress_snippets.py --starve_gloo): make the exit-time abort likely instead of rare.
+    Every thread of the process on one CPU, gloo's worker threads at SCHED_IDLE, so that they run only when
+    every other thread sleeps and finish their last work late, as on an overloaded machine."""
+    import threading
+    import time
+
+    cpu = min(os.sched_getaffinity(0))
+    seen = set()
+
+    def poll():
+        while True:
+            for tid in os.listdir("/proc/self/task"):
+                if tid in seen:
+                    continue
+                seen.add(tid)
+                try:
+                    os.sched_setaffinity(int(tid), {cpu})
+                    if open(f"/proc/self/task/{tid}/comm").read().strip() == "pt_gloo_runloop":
+                        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+                except OSError:  # the thread has ended
+                    pass
+            time.sleep(0.005)
+
+    threading.Thread(target=poll, name="starve_gloo", daemon=True).start()
+
+
+if os.environ.get("STARVE_GLOO") == "1" and os.path.isdir("/proc/self/task"):
+    _starve_gloo_workers()

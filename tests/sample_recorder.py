@@ -1,0 +1,116 @@
+"""Which training samples each process fetched, for train_mnist.py and train_image_classifier.py, unchanged.
+
+Run as the launched script: `accelerate launch tests/sample_recorder.py SCRIPT ARGS` with $SAMPLE_LOG set. Before
+SCRIPT runs, its training dataset is wrapped so that every __getitem__ appends one line "EPOCH INDEX" to
+$SAMPLE_LOG.rank{RANK} (from a DataLoader worker: $SAMPLE_LOG.rank{RANK}.worker{ID}), in fetch order, flushed
+at once. EPOCH is the image dataset's own epoch (what TransformedImages seeds its augmentations with); the
+MNIST TensorDataset has none, so it is -1 there. The evaluation datasets are left alone. When SCRIPT ends,
+its exit status goes to $SAMPLE_LOG.rank{RANK}.exit.
+
+Fetched is trained here: a prepared DataLoaderShard fetches one batch ahead but within the epoch only, and
+skip_first_batches skips indices, not fetched batches. (A loop that breaks out of an epoch early would have
+fetched one batch more than it trained.)
+
+Also `--model tests.sample_recorder:tiny_cnn`: a classifier small enough that a checkpoint costs nothing.
+"""
+
+import os
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class _Log:
+    """One line-buffered file per process (the training process, and each DataLoader worker)."""
+
+    files = {}
+
+    @classmethod
+    def write(cls, epoch: int, index: int) -> None:
+        pid = os.getpid()
+        if pid not in cls.files:
+            info = torch.utils.data.get_worker_info()
+            suffix = f".worker{info.id}" if info is not None else ""
+            cls.files[pid] = open(f"{os.environ['SAMPLE_LOG']}.rank{os.environ.get('RANK', '0')}{suffix}", "a",
+                                  buffering=1)
+        cls.files[pid].write(f"{epoch} {index}\n")
+
+
+class RecordedTensorDataset(torch.utils.data.Dataset):
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        _Log.write(-1, int(index))
+        return self.dataset[index]
+
+
+def _patch_datasets() -> None:
+    import utils.data
+    import utils.image_data
+
+    # train_mnist.py: the training split's tensors, recognised by identity, become a recorded dataset
+    load_mnist, to_tensor_dataset = utils.data.load_mnist, utils.data.to_tensor_dataset
+    train_images = []
+
+    def recorded_load_mnist(*args, **kwargs):
+        splits = load_mnist(*args, **kwargs)
+        train_images.append(splits["train"][0])
+        return splits
+
+    def recorded_to_tensor_dataset(images, labels, *args, **kwargs):
+        dataset = to_tensor_dataset(images, labels, *args, **kwargs)
+        return RecordedTensorDataset(dataset) if any(images is t for t in train_images) else dataset
+
+    utils.data.load_mnist, utils.data.to_tensor_dataset = recorded_load_mnist, recorded_to_tensor_dataset
+
+    # train_image_classifier.py: the dataset built with train_transform()'s transform records its fetches
+    train_transform, TransformedImages = utils.image_data.train_transform, utils.image_data.TransformedImages
+    train_transforms = []
+
+    def recorded_train_transform(*args, **kwargs):
+        train_transforms.append(train_transform(*args, **kwargs))
+        return train_transforms[-1]
+
+    class RecordedTransformedImages(TransformedImages):
+        def __getitem__(self, index):
+            if any(self.transform is t for t in train_transforms):
+                _Log.write(int(self._epoch), int(index))  # the epoch its augmentations are seeded with
+            return super().__getitem__(index)
+
+    utils.image_data.train_transform = recorded_train_transform
+    utils.image_data.TransformedImages = RecordedTransformedImages
+
+
+def tiny_cnn(num_classes: int) -> nn.Module:
+    """`--model tests.sample_recorder:tiny_cnn`: one convolution, BatchNorm, a linear head."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
+
+
+def main(argv) -> None:
+    sys.path.insert(0, str(REPO))  # the same `utils` package that SCRIPT imports
+    _patch_datasets()
+    script, *script_args = argv
+    sys.argv = [script, *script_args]
+    status = 1  # an exception other than SystemExit
+    try:
+        runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as exit_:  # the scripts end with sys.exit(status)
+        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        raise
+    finally:
+        Path(f"{os.environ['SAMPLE_LOG']}.rank{os.environ.get('RANK', '0')}.exit").write_text(str(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,231 @@
+"""Which samples each process trains, by sample id (tests/sample_recorder.py logs every fetch of the training
+dataset per process): both scripts train each sample exactly once per epoch on 2 and 3 processes, also across a
+mid-epoch resume (here onto another process count), and the last batches are padded exactly as Accelerate's
+even_batches documents. The same runs pin what per-step bookkeeping would get wrong silently: the scheduler
+and clipping once per optimizer step, the accumulation cycle restarted by a resume, set_epoch reaching the
+dataset's augmentations.
+
+"Global order": the batches of all processes interleaved round-robin (batch k of rank r is global batch
+k * num_processes + r, as BatchSamplerShard deals them), i.e. the epoch's shuffle as the batch sampler read it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+from collections import Counter
+
+import pytest
+import torch
+from helpers import REPO, launcher_args, results
+from image_data import make_split_image_folder
+
+RECORDER = REPO / "tests" / "sample_recorder.py"
+TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
+CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+N = 96  # training samples: divides every global batch below, so there is no padding in these runs
+# 2 processes x 6 per batch x 2 accumulation steps = 24 per optimizer step: 4 steps per epoch, 8 batches each
+COMMON = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "6", "--gradient_accumulation_steps", "2",
+          "--checkpointing_steps", "1"]
+MNIST = [*COMMON, "--max_eval_samples", "30", "--max_grad_norm", "1e-6"]  # every step's norm is far above 1e-6
+CLASSIFIER_ARGS = [*COMMON, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--optimizer", "adamw",
+                   "--warmup_epochs", "0"]
+
+
+def launch_recorded(script, args, num_processes, log):
+    """accelerate launch the script under the recorder; unchecked: a test reads what a broken run left. Processes
+    out of step (a bug) fail after --ddp_timeout 60; the whole session is killed if it still runs at 240 s."""
+    cmd = [*launcher_args(num_processes), RECORDER, script, "--cpu", *map(str, args), "--ddp_timeout", "60"]
+    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           errors="replace", env={**os.environ, "SAMPLE_LOG": str(log)}, start_new_session=True)
+    try:
+        stdout, stderr = job.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
+        stdout, stderr = job.communicate()
+    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
+
+
+def fetched(log, rank, worker=None):
+    """[(epoch, index)] that one process (or one of its DataLoader workers) fetched, in order."""
+    name = f"{log.name}.rank{rank}" + (f".worker{worker}" if worker is not None else "")
+    path = log.with_name(name)
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def global_order(per_rank, batch_size):
+    """Interleave the processes' batches round-robin; every process must have trained equally many."""
+    lengths = {len(ids) for ids in per_rank}
+    assert len(lengths) == 1 and lengths.pop() % batch_size == 0, [len(ids) for ids in per_rank]
+    rounds = len(per_rank[0]) // batch_size
+    return [i for k in range(rounds) for ids in per_rank for i in ids[k * batch_size:(k + 1) * batch_size]]
+
+
+def assert_ok(proc):
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+
+def training_state(checkpoint):
+    return json.loads((checkpoint / "training_state.json").read_text())
+
+
+# ---------------------------------------------------------------- train_mnist.py
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(synthetic_mnist, tmp_path_factory):
+    """2 processes, 2 epochs, a checkpoint at every step; then a fresh 3-process run resumes from step_1 (mid-epoch
+    0) with --batch_size 2, so the resume keeps the global batch of 24 with 4 accumulation steps."""
+    root = tmp_path_factory.mktemp("mnist_coverage")
+    full = launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", root / "full", *MNIST], 2,
+                           root / "full.log")
+    resumed = launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", root / "resumed", *MNIST,
+                                            "--batch_size", "2", "--resume_from_checkpoint", root / "full" / "step_1"],
+                              3, root / "resumed.log")
+    return root, full, resumed
+
+
+def test_train_mnist_trains_each_sample_once_per_epoch_on_2_processes(mnist_runs):
+    root, full, _ = mnist_runs
+    assert_ok(full)
+    per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    assert [len(ids) for ids in per_rank] == [2 * 48, 2 * 48]  # 8 batches of 6 per process and epoch
+    epochs = [global_order([ids[e * 48:(e + 1) * 48] for ids in per_rank], 6) for e in range(2)]
+    for order in epochs:
+        assert sorted(order) == list(range(N))  # a partition: every sample once, none twice, on no other process
+    assert epochs[0] != epochs[1]  # reshuffled per epoch
+    r = results(root / "full")
+    assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
+
+
+def test_train_mnist_mid_epoch_resume_on_3_processes_trains_the_rest_of_the_same_shuffle(mnist_runs):
+    """The resumed run trains exactly the uninterrupted run's global order after its first optimizer step (24
+    samples), then all of epoch 1 in the same order: whatever the process count, no sample twice or never."""
+    root, full, resumed = mnist_runs
+    assert_ok(full)
+    assert_ok(resumed)
+    before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
+    after = [[index for _, index in fetched(root / "resumed.log", rank)] for rank in range(3)]
+    # 3 processes x 2 per batch: 16 batches each per epoch; the first 4 (24 samples) are skipped in epoch 0
+    assert [len(ids) for ids in after] == [24 + 32] * 3
+    resumed_epoch_0 = global_order([ids[:24] for ids in after], 2)
+    resumed_epoch_1 = global_order([ids[24:] for ids in after], 2)
+    assert resumed_epoch_0 == uninterrupted[0][24:]
+    assert sorted(uninterrupted[0][:24] + resumed_epoch_0) == list(range(N))  # epoch 0 across the restart
+    assert resumed_epoch_1 == uninterrupted[1]  # and a whole epoch on 3 processes: the same partition of the shuffle
+    r = results(root / "resumed")
+    assert r["num_processes"] == 3 and r["gradient_accumulation_steps"] == 4 and r["global_batch_size"] == 24
+    assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
+
+
+def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(synthetic_mnist, tmp_path):
+    """50 samples, 3 processes x 8: 7 batches, the last of 2 samples. Accelerate (even_batches, drop_last False)
+    gives every process 3 full batches: the 72 trained are the epoch's shuffle once, then its first 22 samples again
+    (completing the batch of 2, then two more batches), and nothing else."""
+    log = tmp_path / "padded.log"
+    assert_ok(launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", tmp_path / "out",
+                                            "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1",
+                                            "--batch_size", "8"], 3, log))
+    per_rank = [[index for _, index in fetched(log, rank)] for rank in range(3)]
+    order = global_order(per_rank, 8)
+    assert len(order) == 3 * 3 * 8
+    assert sorted(order[:50]) == list(range(50))  # every sample once...
+    assert order[50:] == order[:22]  # ...then the padding: the first 22 of the shuffle, in order
+    r = results(tmp_path / "out")
+    assert r["global_step"] == 3 and r["samples_seen"] == 72  # padding is trained, and counted
+
+
+def test_train_mnist_steps_the_scheduler_once_per_optimizer_step(mnist_runs):
+    """With 2 accumulation steps, a scheduler stepped per batch would be 2 steps ahead per optimizer step (OneCycleLR
+    raises only once it overruns its total; these checkpoints show it from the first step)."""
+    root, full, _ = mnist_runs
+    for step in range(1, 9):
+        checkpoint = root / "full" / f"step_{step}"
+        scheduler = torch.load(checkpoint / "scheduler.bin", weights_only=True)
+        assert scheduler["last_epoch"] == scheduler["_step_count"] - 1 == step, checkpoint
+        optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
+        assert {int(s["step"]) for s in optimizer["state"].values()} == {step}  # AdamW's own count
+        assert training_state(checkpoint)["global_step"] == step
+    assert_ok(full)
+
+
+def test_train_mnist_clips_once_per_optimizer_step(mnist_runs):
+    """--max_grad_norm 1e-6: every norm recorded exceeds it, so steps_clipped counts the norms recorded in the last
+    epoch; clipping on the accumulation micro-steps too would record 8."""
+    root, full, _ = mnist_runs
+    assert_ok(full)
+    r = results(root / "full")
+    assert r["steps_clipped"] == 4  # optimizer steps per epoch
+    assert r["grad_norm_max"] >= r["grad_norm_mean"] > 1e-6
+
+
+def test_train_mnist_resume_starts_a_fresh_accumulation_cycle(mnist_runs):
+    """step_1 was saved after 2 batches per process (Accelerate's batch count: 2). The resumed run accumulates 4: it
+    must step after 4 batches, not after 2 more as the restored count 2 would make it. Its first checkpoint then
+    holds one more whole global batch (24 + 24 samples of epoch 0)."""
+    root, _, resumed = mnist_runs
+    state = training_state(root / "resumed" / "step_2")
+    assert (state["global_step"], state["samples_in_epoch"], state["samples_seen"]) == (2, 48, 48)
+    assert_ok(resumed)
+    r = results(root / "resumed")
+    assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
+
+
+# ---------------------------------------------------------------- train_image_classifier.py
+
+
+@pytest.fixture(scope="module")
+def classifier_runs(tmp_path_factory):
+    """96 training images; 2 processes as above (images decoded in the main process: fetch order is training
+    order), then a fresh 3-process run of 8 per batch resumes from step_1 with 2 DataLoader workers each."""
+    root = tmp_path_factory.mktemp("classifier_coverage")
+    data = make_split_image_folder(root / "data", train_per_class=24, val_per_class=2)
+    full = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "full", *CLASSIFIER_ARGS,
+                                        "--num_workers", "0"], 2, root / "full.log")
+    resumed = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "resumed", *CLASSIFIER_ARGS,
+                                           "--batch_size", "8", "--num_workers", "2",
+                                           "--resume_from_checkpoint", root / "full" / "step_1"], 3,
+                              root / "resumed.log")
+    return root, full, resumed
+
+
+def test_classifier_trains_each_image_once_per_epoch_on_2_processes_with_that_epochs_augmentations(classifier_runs):
+    """On 2+ processes Accelerate's set_epoch reaches the sampler only; the script's train_dataset.set_epoch is
+    what makes epoch 1 draw new augmentations (the epoch each image is augmented with is the dataset's own)."""
+    root, full, _ = classifier_runs
+    assert_ok(full)
+    records = [fetched(root / "full.log", rank) for rank in range(2)]
+    for per_process in records:
+        assert [epoch for epoch, _ in per_process] == [0] * 48 + [1] * 48
+    per_rank = [[index for _, index in per_process] for per_process in records]
+    epochs = [global_order([ids[e * 48:(e + 1) * 48] for ids in per_rank], 6) for e in range(2)]
+    for order in epochs:
+        assert sorted(order) == list(range(N))
+    assert epochs[0] != epochs[1]
+    r = results(root / "full")
+    assert r["global_step"] == r["lr_scheduler_steps"] == 8 and r["samples_seen"] == 2 * N
+
+
+def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest_of_the_same_shuffle(classifier_runs):
+    """From the workers' logs (their interleaving is not recorded, so as sets per process): after skipping its first
+    batch, rank r trains global batches 3k + r of the uninterrupted run's shuffle, each image once, augmented
+    with the right epoch in the worker processes too."""
+    root, full, resumed = classifier_runs
+    assert_ok(full)
+    assert_ok(resumed)
+    before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
+    for rank in range(3):
+        records = [record for worker in range(2) for record in fetched(root / "resumed.log", rank, worker)]
+        assert not fetched(root / "resumed.log", rank), "decoded in the main process despite --num_workers 2"
+        by_epoch = Counter(epoch for epoch, _ in records)
+        assert by_epoch == {0: 3 * 8, 1: 4 * 8}, by_epoch  # 12 batches of 8 per epoch over 3 processes, 1 skipped
+        for epoch, first_batch in ((0, 1), (1, 0)):
+            trained = Counter(index for e, index in records if e == epoch)
+            expected = Counter(i for k in range(first_batch, 4)
+                               for i in uninterrupted[epoch][(3 * k + rank) * 8:(3 * k + rank + 1) * 8])
+            assert trained == expected, (rank, epoch)
+    r = results(root / "resumed")
+    assert r["num_processes"] == 3 and r["gradient_accumulation_steps"] == 1
+    assert r["global_step"] == r["lr_scheduler_steps"] == 8 and r["samples_seen"] == 2 * N
