@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn  # noqa: F401  imported before the process group: see the end of main()
+import torch.distributed.nn  # imported before the process group: see the end of main()
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # noqa: F401  before any process group: docs/migration_guide.md, "Ending a run cleanly"
+import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
 from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
 from accelerate.utils import set_seed  # [accelerate]
 from torch import nn

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # noqa: F401  [accelerate] imported before the process group: see the end of main()
+import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.utils import set_seed  # [accelerate]

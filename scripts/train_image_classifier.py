@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # noqa: F401  [accelerate] imported before the process group: see the end of main()
+import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
 from accelerate.logging import get_logger  # [accelerate]

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # noqa: F401  before any process group: docs/migration_guide.md, "Ending a run cleanly"
+import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
