@@ -42,9 +42,10 @@ def jobs(data_dir: Path, with_train_mnist: bool) -> list:
         if lang == "python" and launcher in RUNNERS and launcher != "runnable":  # the two-process ones
             found.append((name, RUNNERS[launcher], code))
     if with_train_mnist:
-        for script in (TRAIN_MNIST, REPO / "scripts" / "minimal_mnist.py"):
-            def train(folder, script=script):
-                return [*launcher_args(2), script, "--cpu", "--epochs", "1", "--max_train_samples", "256",
+        # one epoch each: train_mnist.py of 256 samples; minimal_mnist.py (no --max_train_samples) of all
+        for script, flags in ((TRAIN_MNIST, ["--max_train_samples", "256"]), (REPO / "scripts" / "minimal_mnist.py", [])):
+            def train(folder, script=script, flags=flags):
+                return [*launcher_args(2), script, "--cpu", "--epochs", "1", *flags,
                         "--data_dir", data_dir, "--output_dir", folder / "out"]
             found.append((f"{script.stem}-2proc", train, None))
     return found
