@@ -128,3 +128,14 @@ def test_a_full_disk_ends_with_one_line_and_keeps_every_complete_checkpoint(synt
     resumed = launch([*args, "--output_dir", bigger, "--resume_from_checkpoint", "latest"])
     assert f"Resumed from {bigger / 'step_2'}: epoch 0, step 2" in resumed.stdout + resumed.stderr
     assert (bigger / "model.safetensors").is_file()
+
+
+def test_a_full_disk_stops_both_processes_with_the_same_line(synthetic_mnist, small_disk):
+    """Only the main process decides and words the line (the others would measure the disk at another moment),
+    and every process learns of a failure on any: none waits forever in the next collective."""
+    out = small_disk / "out"
+    proc = launch(["--data_dir", synthetic_mnist, "--max_train_samples", "128", *SHORT[2:], "--output_dir", out,
+                   "--checkpointing_steps", "1"], num_processes=2, check=False, timeout=180)
+    assert_clean_user_error(proc, "is full", f"the last complete checkpoint is {out / 'step_2'}")
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 2  # one per process
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "step_1", "step_2"]

@@ -125,7 +125,7 @@ def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, o
         step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:].tolist()
         # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
         raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
-                        f"{find_latest_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
+                        f"{newest_good_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
                         f"start afresh with a lower --learning_rate and --overwrite_output_dir")
 
 
