@@ -13,6 +13,7 @@ from helpers import REPO, assert_clean_user_error, launch, skip_or_fail_in_ci
 
 import utils.checkpoints as checkpoints
 from utils.checkpoints import MANIFEST, TrainingProgress, save_checkpoint
+from utils.errors import UserError
 
 # 64 samples / 16 per batch: 4 optimizer steps in the one epoch. A checkpoint is about 0.37 MB
 # (optimizer.bin 241,361 bytes, model.safetensors 117,824, random_states_0.pkl 14,497, the rest under 4 kB).
@@ -62,6 +63,20 @@ def test_total_limit_keeps_the_last_good_checkpoint_while_newer_ones_are_damaged
     _write_checkpoint(tmp_path, 4)
     checkpoints.delete_old_checkpoints(tmp_path, total_limit=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def test_a_truncated_training_state_is_skipped_by_latest_and_refused_by_name(tmp_path, caplog):
+    for step in (1, 2):
+        _write_checkpoint(tmp_path, step)
+    state = tmp_path / "step_2" / "training_state.json"
+    size = state.stat().st_size
+    state.write_text(state.read_text()[:10])  # no longer JSON: list_checkpoints cannot even order it
+    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_1"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--resume_from_checkpoint latest: skipping damaged checkpoint step_2 (training_state.json has 10 bytes, "
+        f"{size} when saved); resuming from {tmp_path / 'step_1'}"]
+    with pytest.raises(UserError, match=f"step_2 is damaged .*; resume from the newest good one, {tmp_path / 'step_1'}$"):
+        checkpoints.resolve_checkpoint(str(tmp_path / "step_2"), tmp_path)
 
 
 def test_a_checkpoint_without_a_manifest_loads_with_one_warning(tmp_path, caplog):

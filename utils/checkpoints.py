@@ -236,8 +236,8 @@ def publish(tmp: Path, final: Path) -> None:
 def delete_old_checkpoints(output_dir, total_limit: int) -> None:
     """--checkpoints_total_limit: delete all but the newest `total_limit` checkpoints, but never the newest one
     whose files check out: when the newer ones are damaged, a resume needs it. Usually that is the one just
-    saved, read back once more here."""
-    checkpoints = list_checkpoints(output_dir)
+    saved, read back once more here. One with an unreadable training_state.json is left alone."""
+    checkpoints = list_checkpoints(output_dir, unreadable=[])
     newest_good = next((folder for folder in reversed(checkpoints) if check_checkpoint(folder) is None), None)
     for old in checkpoints[:-total_limit]:
         if old != newest_good:
@@ -396,15 +396,22 @@ def read_training_state(checkpoint) -> TrainingProgress:
     return TrainingProgress(**saved)
 
 
-def list_checkpoints(output_dir) -> list:
-    """Complete checkpoints in `output_dir`, oldest first (by optimizer steps taken)."""
+def list_checkpoints(output_dir, unreadable: list | None = None) -> list:
+    """Complete checkpoints in `output_dir`, oldest first (by optimizer steps taken). One whose
+    training_state.json is unreadable cannot be ordered: UserError, or with an `unreadable` list, added there."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return []
     found = []
     for folder in output_dir.iterdir():
         if CHECKPOINT_NAME.match(folder.name) and (folder / TRAINING_STATE).is_file():
-            progress = read_training_state(folder)
+            try:
+                progress = read_training_state(folder)
+            except UserError:
+                if unreadable is None:
+                    raise
+                unreadable.append(folder)
+                continue
             # At equal step counts an end-of-epoch checkpoint is "later" than a step one.
             found.append(((progress.global_step, progress.samples_in_epoch == 0), folder))
     return [folder for _, folder in sorted(found)]
@@ -460,8 +467,11 @@ def main_process_warning(message: str) -> None:
 def newest_good_checkpoint(output_dir, say_skipped: bool = False):
     """The newest checkpoint in `output_dir` whose files match its manifest (or that has none), or None.
     Every process reads the same files, so all decide the same. `say_skipped`: one line naming those passed over."""
-    skipped = []
-    for folder in reversed(list_checkpoints(output_dir)):
+    unreadable = []
+    checkpoints = list_checkpoints(output_dir, unreadable)
+    skipped = [f"{folder.name} ({check_checkpoint(folder) or f'its {TRAINING_STATE} is unreadable'})"
+               for folder in sorted(unreadable)]
+    for folder in reversed(checkpoints):
         problem = check_checkpoint(folder)
         if problem is None:
             break
