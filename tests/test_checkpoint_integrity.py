@@ -40,7 +40,7 @@ def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(syntheti
     assert checkpoints.check_checkpoint(out / "step_4") is None  # saved again by the resumed run
 
 
-def _write_checkpoint(output_dir: Path, step: int, corrupt: bool = False) -> Path:
+def _write_checkpoint(output_dir: Path, step: int, total_limit=None) -> Path:
     """A real checkpoint folder as save_checkpoint writes it, with one process and no Accelerator."""
     PartialState(cpu=True)  # accelerate's logger needs it
     accelerator = SimpleNamespace(is_main_process=True, num_processes=1, wait_for_everyone=lambda: None)
@@ -49,7 +49,7 @@ def _write_checkpoint(output_dir: Path, step: int, corrupt: bool = False) -> Pat
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(bytes([step]) * 4096)
 
-    return save_checkpoint(accelerator, output_dir, f"step_{step}", TrainingProgress(global_step=step),
+    return save_checkpoint(accelerator, output_dir, f"step_{step}", TrainingProgress(global_step=step), total_limit,
                            write_into=write_into)
 
 
@@ -60,9 +60,23 @@ def test_total_limit_keeps_the_last_good_checkpoint_while_newer_ones_are_damaged
     checkpoints.delete_old_checkpoints(tmp_path, total_limit=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"], "step_2 is what a resume needs"
     # Once a newer one checks out, the limit applies as usual.
-    _write_checkpoint(tmp_path, 4)
-    checkpoints.delete_old_checkpoints(tmp_path, total_limit=1)
+    _write_checkpoint(tmp_path, 4, total_limit=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_4"]
+
+
+def test_total_limit_deletes_nothing_for_a_new_checkpoint_that_does_not_check_out(tmp_path, monkeypatch):
+    """The save itself: the new checkpoint is damaged once published (a bad disk, another writer)."""
+    _write_checkpoint(tmp_path, 1)
+    real_rename = Path.rename
+
+    def rename_then_damage(self, target):
+        real_rename(self, target)
+        if Path(target).name == "step_2":
+            (Path(target) / "model.safetensors").write_bytes(b"\0" * 4096)
+
+    monkeypatch.setattr(Path, "rename", rename_then_damage)
+    _write_checkpoint(tmp_path, 2, total_limit=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
 
 
 def test_a_truncated_training_state_is_skipped_by_latest_and_refused_by_name(tmp_path, caplog):
