@@ -249,7 +249,7 @@ def is_disk_full(error, free: int, needed: int) -> bool:
     RuntimeError ("basic_ios::clear: iostream error", then "unexpected pos N vs M" in its __exit__), so those
     count when the disk has less than `needed` bytes free."""
     while error is not None:
-        if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in str(error):
+        if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or "No space left on device" in str(error):
             return True
         if isinstance(error, RuntimeError) and ("basic_ios::clear" in str(error) or "unexpected pos" in str(error)):
             return free < needed
@@ -264,7 +264,7 @@ def folder_size(folder) -> int:
 def space_needed(output_dir, tmp: Path) -> tuple:
     """The last complete checkpoint (or None) and the bytes a new one needs: that one's size, or with none
     yet the partial one's (at least that much)."""
-    last = find_latest_checkpoint(output_dir)
+    last = next(reversed(list_checkpoints(output_dir, unreadable=[])), None)
     return last, folder_size(last if last is not None else tmp)
 
 
@@ -285,7 +285,7 @@ def stop_if_any_failed(accelerator, failure, output_dir: Path, tmp: Path) -> Non
     the main process's line; another error: the failing process raises it, the others name that process."""
     code = 0
     if failure is not None:
-        last, needed = space_needed(output_dir, tmp)
+        _, needed = space_needed(output_dir, tmp)
         code = 1 if is_disk_full(failure, shutil.disk_usage(output_dir).free, needed) else 2
     codes = [code] if accelerator.num_processes == 1 else gather_object([code])
     if not any(codes):
