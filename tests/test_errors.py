@@ -92,7 +92,8 @@ def test_resume_from_corrupt_checkpoint(data, tmp_path):
     (out / "step_1" / "model.safetensors").write_bytes(b"\x00" * 64)
     proc = train("--data_dir", data, "--epochs", "1", "--resume_from_checkpoint", out / "step_1",
                  "--output_dir", tmp_path / "out2")
-    assert_clean_user_error(proc, "step_1", "corrupt")
+    # its manifest.json finds it before anything loads; there is no good checkpoint left to name
+    assert_clean_user_error(proc, "step_1 is damaged", "model.safetensors has 64 bytes", "no good checkpoint")
     assert not (tmp_path / "out2").exists()
 
 

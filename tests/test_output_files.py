@@ -43,7 +43,7 @@ def test_a_run_writes_only_documented_files_and_logs_them_truly(synthetic_mnist,
     # One true line per checkpoint, naming exactly the files in it; Accelerate's per-file lines are gone.
     checkpoint_files = sorted(path.name for path in (out / "epoch_0").iterdir())
     assert f"Saved {out / 'epoch_0'}: {', '.join(checkpoint_files)}" in log
-    assert len(checkpoint_files) == 6, checkpoint_files
+    assert len(checkpoint_files) == 7 and "manifest.json" in checkpoint_files, checkpoint_files
     for untrue in ("pytorch_model.bin", "sampler", ".tmp-"):
         assert untrue not in log, untrue
     assert f"Model weights saved in {out / 'model.safetensors'}" in log  # save_model's line, made true
