@@ -29,6 +29,7 @@ from helpers import (
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 
+from utils.image_data import normalise_on_device
 from utils.models import ConvNet
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -124,6 +125,23 @@ def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path):
     model = torchvision.models.resnet50(num_classes=4)
     model.load_state_dict(load_file(out / "model.safetensors"))  # plain names, compiled or not
     print(f"resnet50 fp16 {' '.join(extra)}: {r['train_samples_per_second']:.0f} img/s")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_the_uint8_batch_becomes_the_fp16_channels_last_input_on_the_gpu_in_one_copy(dtype):
+    """The image script's device-side normalisation (utils/image_data.py): the only new memory is the output."""
+    batch = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    images = normalise_on_device(batch, dtype, channels_last=True)
+    torch.cuda.synchronize()
+    assert images.dtype == dtype and images.is_contiguous(memory_format=torch.channels_last)
+    output_bytes = images.numel() * images.element_size()
+    assert torch.cuda.max_memory_allocated() - before <= output_bytes + 64 * 1024  # + mean and std: 2 x 3 values
+    torch.testing.assert_close(images.float().cpu(), normalise_on_device(batch.cpu()), rtol=0, atol=0.05)
 
 
 @pytest.mark.gpu

@@ -326,7 +326,7 @@ def test_augmentation_depends_only_on_seed_epoch_and_index(split_folder):
     train_split, _, image_column, label_column, _ = load_image_datasets(data_dir=split_folder)
     dataset = TransformedImages(train_split, train_transform(32), image_column, label_column, seed=7)
     first, label = dataset[5]
-    assert first.shape == (3, 32, 32) and first.dtype == torch.float32 and label == train_split[5]["label"]
+    assert first.shape == (3, 32, 32) and first.dtype == torch.uint8 and label == train_split[5]["label"]
     torch.rand(10)  # global RNG consumption must not matter
     assert torch.equal(dataset[5][0], first)
     dataset.set_epoch(1)

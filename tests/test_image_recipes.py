@@ -46,7 +46,7 @@ def square_on_black(size=32, side=16, left_half_only=False):
 
 
 def bright(tensor):
-    return tensor.mean(0) > 0.5  # normalised pixels: the square is far above the black background
+    return tensor.float().mean(0) > 127  # uint8 pixels: the square is far above the black background
 
 
 def draws(transform, image, n=40):

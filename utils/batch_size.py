@@ -12,7 +12,8 @@ from utils.errors import UserError
 logger = get_logger(__name__)
 
 
-def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resuming: bool) -> None:
+def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resuming: bool,
+                   model_input=None) -> None:
     """Collective; call before the DataLoaders are built and before `prepare`. Sets `args.batch_size` to the
     largest of --batch_size, half of it, a quarter... with which one training step (forward under the run's
     autocast, backward, optimizer step) on real samples does not run out of memory, on every process, then
@@ -21,7 +22,8 @@ def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resum
 
     Each process probes alone, on the unwrapped model (no DDP, so no collective can hang on a process that ran out
     of memory), then all agree on the smallest fitting size. DDP's gradient buckets (one more copy of the
-    gradients) are not in the probe: leave that much headroom.
+    gradients) are not in the probe: leave that much headroom. `model_input`: what the run does to a batch on the
+    device before the model sees it (the image script normalises its uint8 images there).
     """
     requested = args.batch_size
     model.to(accelerator.device)
@@ -36,6 +38,8 @@ def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resum
         tried.append(batch_size)
         images, labels = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
         images, labels = images.to(accelerator.device), labels.to(accelerator.device)
+        if model_input is not None:
+            images = model_input(images)
         try:
             with accelerator.autocast():  # [accelerate] the precision the run trains in
                 loss = F.cross_entropy(model(images), labels)

@@ -1,10 +1,19 @@
 """Image classification data: image folders and Hub datasets through `datasets`, torchvision
-transforms, and a Dataset that decodes and augments inside the DataLoader workers."""
+transforms, and a Dataset that decodes and augments inside the DataLoader workers.
 
+The workers do only what must happen per image on a CPU core: decode the file's bytes straight into a uint8
+tensor (torchvision, no PIL image in between) and crop, resize and flip it as uint8. The batch stays uint8 up
+to the device, a quarter of float32's bytes, and `normalise_on_device` makes it the model's input there.
+scripts/benchmark_data.py measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipeline).
+"""
+
+import io
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 from utils.errors import UserError
@@ -121,29 +130,53 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
                     v2.RandomCrop(image_size, padding=image_size // 8, padding_mode="reflect")]
     else:
         geometry = [_whole_image(image_size)]
-    return _to_normalised_tensor(*geometry, *([v2.RandomHorizontalFlip()] if hflip else []))
+    return _uint8_image(*geometry, *([v2.RandomHorizontalFlip()] if hflip else []))
 
 
 def eval_transform(image_size: int, recipe: str = "imagenet"):
     """imagenet: resize to size/0.875, then the central crop (256 -> 224, the usual ImageNet ratio). small and
     none: the whole image resized to the size: the central crop would cut the borders off small images."""
     if recipe == "imagenet":
-        return _to_normalised_tensor(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
-    return _to_normalised_tensor(_whole_image(image_size))
+        return _uint8_image(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
+    return _uint8_image(_whole_image(image_size))
 
 
 def _whole_image(image_size: int):
     return v2.Resize((image_size, image_size), antialias=True)  # no crop: non-square images are squeezed
 
 
-def _to_normalised_tensor(*geometry):
-    """The recipe's geometric steps, then a float tensor normalised as torchvision's pretrained weights expect."""
-    return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
-                       v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+def _uint8_image(*geometry):
+    """The recipe's geometric steps on a uint8 (3, H, W) tensor (a PIL image is converted first), giving a plain
+    uint8 tensor: torchvision's uint8 resize is its fastest, and normalise_on_device does the rest."""
+    return v2.Compose([v2.ToImage(), *geometry, v2.ToPureTensor()])
+
+
+def normalise_on_device(images, dtype=torch.float32, channels_last: bool = False):
+    """A uint8 (N, 3, H, W) batch, already on the device, as the model's input: `dtype` (the autocast dtype under
+    mixed precision), normalised as torchvision's pretrained weights expect, channels-last if asked. One copy: the
+    cast writes the new tensor in its final layout, and the normalisation works in place."""
+    images = images.to(dtype=dtype, memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    mean = torch.tensor(IMAGENET_MEAN, dtype=dtype, device=images.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD, dtype=dtype, device=images.device).view(1, 3, 1, 1) * 255
+    return images.sub_(mean).div_(std)
+
+
+def decode_rgb(encoded: torch.Tensor) -> torch.Tensor:
+    """An image file's bytes (a uint8 tensor) as a uint8 (3, H, W) RGB tensor: greyscale, palette, CMYK and RGBA
+    become 3 channels. torchvision decodes JPEG, PNG, WebP and GIF into the tensor directly, pixel for pixel as PIL
+    does (both use libjpeg-turbo and libpng); PIL reads the other formats (BMP, TIFF...)."""
+    try:
+        image = decode_image(encoded, mode=ImageReadMode.RGB)
+    except RuntimeError as err:
+        if "Unsupported image file" not in str(err):
+            raise
+        with Image.open(io.BytesIO(encoded.numpy().tobytes())) as pil_image:
+            image = v2.functional.pil_to_tensor(pil_image.convert("RGB"))
+    return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs: 0-65535 -> 0-255
 
 
 class TransformedImages(torch.utils.data.Dataset):
-    """Decodes and transforms one image per __getitem__, i.e. inside the DataLoader workers.
+    """Decodes and transforms one image per __getitem__, i.e. inside the DataLoader workers: a uint8 tensor.
 
     Random augmentations draw from a generator seeded by (seed, epoch, sample index), so a
     sample is augmented the same way whichever worker or process loads it, and a resumed run
@@ -152,17 +185,17 @@ class TransformedImages(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset, transform, image_column: str, label_column: str, seed: int = 0):
-        self.dataset, self.transform = dataset, transform
-        self.image_column, self.label_column, self.seed = image_column, label_column, seed
+        import datasets
+
+        # the files' bytes (or their paths), undecoded: decode_rgb makes the tensor without a PIL image
+        self.dataset = dataset.cast_column(image_column, datasets.Image(decode=False))
+        self.transform, self.image_column, self.label_column, self.seed = transform, image_column, label_column, seed
         # shared memory: persistent workers see set_epoch() of the main process
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
     def source_of(self, index) -> str:
-        """The file (or dataset row) an image comes from, read without decoding it."""
-        import datasets
-
-        raw = self.dataset.cast_column(self.image_column, datasets.Image(decode=False))[index][self.image_column]
-        return raw.get("path") or f"image {index} of the dataset"
+        """The file (or dataset row) an image comes from."""
+        return self.dataset[index][self.image_column].get("path") or f"image {index} of the dataset"
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.fill_(epoch)
@@ -171,15 +204,19 @@ class TransformedImages(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index):
+        example = self.dataset[index]
+        image = example[self.image_column]  # {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
         try:
-            example = self.dataset[index]  # datasets decodes the image here
-            image = example[self.image_column].convert("RGB")  # greyscale, palette, CMYK, RGBA -> 3 channels
-        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace it "
+            encoded = (read_file(image["path"]) if image["bytes"] is None
+                       else torch.frombuffer(bytearray(image["bytes"]), dtype=torch.uint8))
+            pixels = decode_rgb(encoded)
+        except (RuntimeError, OSError, ValueError, SyntaxError) as err:  # truncated, corrupt, empty, not an image
+            reason = str(err).rsplit(", ", 1)[-1] if isinstance(err, RuntimeError) else err  # not torchvision's C++ file
+            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {reason}); replace it "
                             f"with a good copy and continue with --resume_from_checkpoint latest, or delete it and "
                             f"start again") from None
         sample_seed = np.random.SeedSequence([self.seed, int(self._epoch), index]).generate_state(1)[0]
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
             torch.manual_seed(int(sample_seed))
-            pixels = self.transform(image)
+            pixels = self.transform(pixels)
         return pixels, example[self.label_column]
