@@ -45,6 +45,11 @@ def test_every_pipeline_split_and_worker_count_has_a_positive_rate(benchmark):
     for (_, _, workers), row in rows.items():
         assert row["images_per_second"] > 0 and row["images"] > 0 and row["seconds"] >= 0.3 and row["rounds"] == 1
         assert row["images_per_second_per_core"] == pytest.approx(row["images_per_second"] / max(1, workers))
+        # the one process's CPU time with 0 workers: at most its wall time, so at least its wall-clock rate
+        if workers == 0:
+            assert row["images_per_cpu_second"] >= row["images_per_second"] * 0.99
+        else:
+            assert row["images_per_cpu_second"] is None
     assert record["images_in_split"] == {"train": 24, "eval": 12}
     assert set(record["summary"]["train"]) == {"ours/before", "ours/decode_only", "reference/before"}
 

@@ -42,7 +42,7 @@ def square_on_black(size=32, side=16, left_half_only=False):
     pixels = np.zeros((size, size, 3), dtype=np.uint8)
     start = (size - side) // 2
     pixels[start:start + side, start:start + (side // 2 if left_half_only else side)] = 255
-    return Image.fromarray(pixels)
+    return torch.from_numpy(pixels).permute(2, 0, 1)  # as utils.image_data.decode_rgb gives it
 
 
 def bright(tensor):
@@ -69,7 +69,7 @@ def test_the_small_recipe_keeps_the_whole_image_where_random_resized_crops_lose_
 def test_evaluation_of_small_images_is_a_plain_resize_that_keeps_the_borders():
     pixels = np.zeros((28, 28, 3), dtype=np.uint8)
     pixels[0, :] = pixels[-1, :] = pixels[:, 0] = pixels[:, -1] = 255  # a 1-pixel frame, as a digit's stroke
-    image = Image.fromarray(pixels)
+    image = torch.from_numpy(pixels).permute(2, 0, 1)
     small = eval_transform(32, "small")(image)
     assert small.shape == (3, 32, 32) and bright(small)[0].any() and bright(small)[:, -1].any()
     plain = train_transform(32, "none", hflip=False)(image)

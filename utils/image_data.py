@@ -1,19 +1,19 @@
 """Image classification data: image folders and Hub datasets through `datasets`, torchvision
 transforms, and a Dataset that decodes and augments inside the DataLoader workers.
 
-The workers do only what must happen per image on a CPU core: decode the file's bytes straight into a uint8
-tensor (torchvision, no PIL image in between) and crop, resize and flip it as uint8. The batch stays uint8 up
-to the device, a quarter of float32's bytes, and `normalise_on_device` makes it the model's input there.
-scripts/benchmark_data.py measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipeline).
+The workers do only what must happen per image on a CPU core: decode the file's bytes into a uint8 tensor
+(libjpeg-turbo through simplejpeg for JPEGs, PIL for the rest) and crop, resize and flip it as uint8. The batch
+stays uint8 up to the device, a quarter of float32's bytes, and `normalise_on_device` makes it the model's input
+there. scripts/benchmark_data.py measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipeline).
 """
 
 import io
 from pathlib import Path
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2
 
 from utils.errors import UserError
@@ -146,9 +146,9 @@ def _whole_image(image_size: int):
 
 
 def _uint8_image(*geometry):
-    """The recipe's geometric steps on a uint8 (3, H, W) tensor (a PIL image is converted first), giving a plain
-    uint8 tensor: torchvision's uint8 resize is its fastest, and normalise_on_device does the rest."""
-    return v2.Compose([v2.ToImage(), *geometry, v2.ToPureTensor()])
+    """The recipe's geometric steps on a uint8 (3, H, W) tensor, giving one: torchvision's uint8 resize is its fastest,
+    and normalise_on_device does the rest on the device."""
+    return v2.Compose(geometry)
 
 
 def normalise_on_device(images, dtype=torch.float32, channels_last: bool = False):
@@ -161,18 +161,23 @@ def normalise_on_device(images, dtype=torch.float32, channels_last: bool = False
     return images.sub_(mean).div_(std)
 
 
-def decode_rgb(encoded: torch.Tensor) -> torch.Tensor:
-    """An image file's bytes (a uint8 tensor) as a uint8 (3, H, W) RGB tensor: greyscale, palette, CMYK and RGBA
-    become 3 channels. torchvision decodes JPEG, PNG, WebP and GIF into the tensor directly, pixel for pixel as PIL
-    does (both use libjpeg-turbo and libpng); PIL reads the other formats (BMP, TIFF...)."""
-    try:
-        image = decode_image(encoded, mode=ImageReadMode.RGB)
-    except RuntimeError as err:
-        if "Unsupported image file" not in str(err):
-            raise
-        with Image.open(io.BytesIO(encoded.numpy().tobytes())) as pil_image:
-            image = v2.functional.pil_to_tensor(pil_image.convert("RGB"))
-    return v2.functional.to_dtype(image, torch.uint8, scale=True)  # 16-bit PNGs: 0-65535 -> 0-255
+def decode_rgb(data: bytes) -> torch.Tensor:
+    """An image file's bytes as a uint8 (3, H, W) RGB tensor: greyscale, palette, CMYK and RGBA become 3 channels.
+
+    JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API): a third less time than
+    PIL here and pixel for pixel the same (PIL uses libjpeg-turbo too). PIL reads the rest (PNG, WebP, BMP, TIFF). Both give rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the
+    channels-last layout in which torch's uint8 resize is fastest.
+    """
+    pixels = None
+    if data[:3] == b"\xff\xd8\xff":  # the JPEG signature
+        try:
+            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB")
+        except ValueError:  # damaged, or a JPEG flavour TurboJPEG does not read: PIL decides which
+            pass
+    if pixels is None:
+        with Image.open(io.BytesIO(data)) as image:
+            pixels = np.array(image.convert("RGB"))
+    return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
 class TransformedImages(torch.utils.data.Dataset):
@@ -207,16 +212,15 @@ class TransformedImages(torch.utils.data.Dataset):
         example = self.dataset[index]
         image = example[self.image_column]  # {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
         try:
-            encoded = (read_file(image["path"]) if image["bytes"] is None
-                       else torch.frombuffer(bytearray(image["bytes"]), dtype=torch.uint8))
-            pixels = decode_rgb(encoded)
-        except (RuntimeError, OSError, ValueError, SyntaxError) as err:  # truncated, corrupt, empty, not an image
-            reason = str(err).rsplit(", ", 1)[-1] if isinstance(err, RuntimeError) else err  # not torchvision's C++ file
-            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {reason}); replace it "
+            pixels = decode_rgb(image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes())
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
+            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace it "
                             f"with a good copy and continue with --resume_from_checkpoint latest, or delete it and "
                             f"start again") from None
         sample_seed = np.random.SeedSequence([self.seed, int(self._epoch), index]).generate_state(1)[0]
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
-            torch.manual_seed(int(sample_seed))
+            # the CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording a stack
+            # trace each time (0.2 ms, a tenth of an image's whole cost)
+            torch.default_generator.manual_seed(int(sample_seed))
             pixels = self.transform(pixels)
         return pixels, example[self.label_column]
