@@ -30,18 +30,25 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
 from utils.image_data import normalise_on_device  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.predictions import WholeBatches, build_trained_model, predictions_csv, read_inputs, read_trained_run  # noqa: E402
+from utils.predictions import (  # noqa: E402
+    WholeBatches,
+    build_trained_model,
+    predictions_csv,
+    read_inputs,
+    read_trained_run,
+)
 from utils.results import check_writable_file, write_text_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = ArgumentParser(description=__doc__.splitlines()[0],
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model_dir", type=Path, required=True,
                         help="a training run's --output_dir (or its best/): model.safetensors, run.json, results.json")
     data = parser.add_argument_group("inputs (MNIST runs: --data_dir with the IDX files, or neither for ylecun/mnist)")
     source = data.add_mutually_exclusive_group()
-    source.add_argument("--data_dir", help="MNIST IDX files; or an image folder (DIR/<class>/*, DIR/train|val/<class>/*)"
-                                           "; or a folder of unlabelled images (no class folders), read whole")
+    source.add_argument("--data_dir", help="MNIST IDX files; an image folder (DIR/<class>/*, DIR/train|val/<class>/*); "
+                                           "or a folder of unlabelled images (no class folders), read whole")
     source.add_argument("--dataset", help="Hugging Face Hub dataset, or a local folder of data files")
     data.add_argument("--dataset_config", default=None, help="default: the run's, for the run's own --dataset")
     data.add_argument("--image_column", default=None, help="default: the run's, or the dataset's Image column")
@@ -80,6 +87,23 @@ def parse_args(argv=None):
     return args
 
 
+def export(model, trained, batches, description, args):
+    """--export onnx: the model with its fp32 input normalisation, checked with onnxruntime on the first
+    --batch_size inputs that can be decoded."""
+    from utils.export import export_onnx  # its optional packages only for --export
+
+    examples = [batches[i] for i in range(min(args.batch_size, len(batches.inputs)))]
+    images = [image for image, _, _, unreadable in examples if not unreadable]
+    if not images:
+        raise UserError(f"none of the first {len(examples)} inputs can be decoded, so the export cannot be checked; "
+                        f"point --data_dir at readable images")
+    path = args.export_file or trained.folder / "model.onnx"
+    normalise = normalise_mnist if trained.is_mnist else normalise_on_device
+    difference = export_onnx(model, normalise, torch.stack(images), path, trained.class_names)
+    print(f"Wrote {path}: uint8 images in, normalised inside, logits out, any batch size; on {len(images)} real "
+          f"inputs ({description}) onnxruntime's logits are within {difference:.1e} of PyTorch's", flush=True)
+
+
 def main(args):
     check_enough_devices(args.cpu)
     trained = read_trained_run(args.model_dir)  # the run's records: a missing or mismatched folder stops here
@@ -103,22 +127,9 @@ def main(args):
         normalise = partial(normalise_on_device, dtype=input_dtype, channels_last=args.channels_last)
     batches = WholeBatches(inputs.dataset, args.batch_size, inputs.blank, stop_on_error=args.on_error == "stop")
 
-    if args.export:  # one process's work: the others only wait
+    if args.export:  # instead of predicting: one process's work, the others wait
         if accelerator.is_main_process:  # [accelerate]
-            from utils.export import export_onnx
-
-            examples = [batches[i] for i in range(min(args.batch_size, len(inputs.dataset)))]
-            images = [image for image, _, _, unreadable in examples if not unreadable]
-            if not images:
-                raise UserError(f"none of the first {len(examples)} inputs can be decoded: nothing to check the "
-                                f"export on; point --data_dir at readable images")
-            images = torch.stack(images)
-            path = args.export_file or trained.folder / "model.onnx"
-            fp32 = normalise_mnist if trained.is_mnist else normalise_on_device
-            difference = export_onnx(model, fp32, images, path, trained.class_names)
-            print(f"Wrote {path}: uint8 images in, normalised inside, logits out, any batch size; on {len(images)} "
-                  f"real inputs ({inputs.description}) onnxruntime's logits are within {difference:.1e} of "
-                  f"PyTorch's", flush=True)
+            export(model, trained, batches, inputs.description, args)
         accelerator.wait_for_everyone()  # [accelerate]
         accelerator.end_training()  # [accelerate]
         return 0
@@ -151,7 +162,7 @@ def main(args):
         write_text_atomically(args.output_file, text)  # a temporary file renamed: only a complete file appears
         count, labelled = len(inputs.dataset), counts["labelled"]
         accuracy = f"accuracy {counts['correct'] / labelled:.4f} on {labelled} labelled inputs, " if labelled else ""
-        print(f"Predicted {count} inputs ({inputs.description}) in {seconds:.1f} s: {count / seconds:.1f} images/s "
+        print(f"Predicted {count} inputs ({inputs.description}) in {seconds:.2f} s: {count / seconds:.1f} images/s "
               f"on {accelerator.num_processes} process(es), precision {accelerator.mixed_precision}; {accuracy}"
               f"{counts['unreadable']} unreadable; wrote {args.output_file}", flush=True)
     # [accelerate] end the process group: no gloo thread is left to abort the exit

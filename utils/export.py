@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 
 ONNX_TOLERANCE = 1e-4  # largest absolute difference of the logits to PyTorch's (fp32) that the export accepts
 
@@ -48,9 +48,8 @@ def export_onnx(model: nn.Module, normalise, images: torch.Tensor, path, class_n
             torch.onnx.export(deployable, (example,), str(tmp), input_names=["images"], output_names=["logits"],
                               dynamic_shapes=({0: batch},), external_data=False, verbose=False)
         except Exception as err:  # an operator without an ONNX translation, a model torch.export cannot trace
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-            raise UserError(f"torch.onnx.export cannot convert this model ({type(err).__name__}: {reason}); predict "
-                            f"with PyTorch instead (without --export)") from None
+            raise UserError(f"torch.onnx.export cannot convert this model ({type(err).__name__}: {first_line(err)}); "
+                            f"predict with PyTorch instead (without --export)") from None
         exported = onnx.load(str(tmp))
         onnx.helper.set_model_props(exported, {"class_names": json.dumps(class_names)})  # class id i: class_names[i]
         onnx.save(exported, str(tmp))

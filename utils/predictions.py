@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from utils.data import load_mnist
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 from utils.image_data import TransformedImages, eval_transform, load_image_datasets, load_unlabelled_images
 from utils.models import ConvNet, build_model
 from utils.results import RUN_RECORD, read_run_record
@@ -25,7 +25,8 @@ WEIGHTS, RESULTS = "model.safetensors", "results.json"
 SCRIPTS = ("train_mnist.py", "train_image_classifier.py")
 MNIST_CLASS_NAMES = [str(digit) for digit in range(10)]
 # What the image classifier's model and inputs are rebuilt from: run.json keys, then results.json keys
-IMAGE_RUN_KEYS, IMAGE_RESULT_KEYS = ("model", "pretrained", "image_size", "augmentation", "val_split"), ("class_names", "stem")
+IMAGE_RUN_KEYS = ("model", "pretrained", "image_size", "augmentation", "val_split")
+IMAGE_RESULT_KEYS = ("class_names", "stem")
 # run.json keys a resume may change (utils/checkpoints.py start_output_dir): best/ keeps those of its time
 RESUMABLE_KEYS = {"epochs", "num_processes", "batch_size_per_process", "gradient_accumulation_steps",
                   "global_batch_size"}
@@ -100,9 +101,8 @@ def build_trained_model(trained: TrainedRun) -> torch.nn.Module:
     try:
         model.load_state_dict(load_file(weights))
     except Exception as err:  # safetensors' own error for a damaged file, RuntimeError for names and shapes
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"{weights} does not fit the model its {RUN_RECORD} describes ({reason}); point --model_dir "
-                        f"at the folder its training run wrote, untouched") from None
+        raise UserError(f"{weights} does not fit the model its {RUN_RECORD} describes ({first_line(err)}); point "
+                        f"--model_dir at the folder its training run wrote, untouched") from None
     return model.eval()
 
 
@@ -152,7 +152,8 @@ def read_inputs(trained: TrainedRun, data_dir=None, dataset=None, split="eval", 
         else:
             if dataset is not None and dataset == run["data"]:  # the run's own data set: its config and columns
                 dataset_config = dataset_config or run.get("dataset_config")
-                image_column, label_column = image_column or run.get("image_column"), label_column or run.get("label_column")
+                image_column = image_column or run.get("image_column")
+                label_column = label_column or run.get("label_column")
             train, eval_, image_column, label_column, label_names = load_image_datasets(
                 data_dir, dataset, dataset_config, image_column, label_column, run["val_split"])
             parts = [{"train": train, "eval": eval_}[name] for name in splits]
