@@ -27,6 +27,22 @@ def bash_commands(text: str) -> list:
     return commands
 
 
+def runnable(command: str) -> list:
+    """The command's words, with `accelerate` and `python` run from this interpreter's environment (VAR=value
+    prefixes through `env`)."""
+    words = shlex.split(command)
+    assignments = []
+    while words and re.match(r"^[A-Z_]+=", words[0]):
+        assignments.append(words.pop(0))
+    if assignments:
+        return ["env", *assignments, *runnable(shlex.join(words))]
+    if words[0] == "python":
+        return [sys.executable, *words[1:]]
+    at = words.index("accelerate")
+    prefix = ["bash", REPO / words[0]] if at > 0 else []  # e.g. scripts/restart_on_failure.sh 3 ...
+    return [*prefix, *words[1 if prefix else 0:at], *ACCELERATE, *words[at + 1:]]
+
+
 def program_help(cmd) -> str:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=REPO, check=True).stdout
 

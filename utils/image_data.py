@@ -88,6 +88,23 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
     return train, eval_, image_column, label_column, class_names
 
 
+def load_unlabelled_images(folder):
+    """Every image file directly in `folder` (no class folders), sorted by name, as a `datasets.Dataset` with an
+    "image" column and a "label" column of -1 (no class known): new images for scripts/predict.py. Image files are
+    told by their extension, as `imagefolder` tells them."""
+    import datasets
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    folder = Path(folder)
+    paths = sorted(str(path.resolve()) for path in folder.iterdir()
+                   if path.is_file() and path.suffix.lower() in ImageFolder.EXTENSIONS)
+    if not paths:
+        raise UserError(f"--data_dir {folder} holds no images (no .jpg, .png, ... file directly in it, and no class "
+                        f"folders); point it at a folder of images, or at an image folder DIR/<class>/*.jpg")
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+    return datasets.Dataset.from_dict({"image": paths, "label": [-1] * len(paths)}, features=features)
+
+
 def _column_of_type(dataset, feature_type, preferred, source, flag):
     if preferred in dataset.column_names and isinstance(dataset.features[preferred], feature_type):
         return preferred
@@ -201,6 +218,11 @@ class TransformedImages(torch.utils.data.Dataset):
     def source_of(self, index) -> str:
         """The file (or dataset row) an image comes from."""
         return self.dataset[index][self.image_column].get("path") or f"image {index} of the dataset"
+
+    def file_of(self, index):
+        """The file the image is read from, or None where the data set holds the image's bytes."""
+        image = self.dataset[index][self.image_column]
+        return image["path"] if image["bytes"] is None else None
 
     def set_epoch(self, epoch: int) -> None:
         self._epoch.fill_(epoch)

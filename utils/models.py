@@ -5,7 +5,7 @@ import importlib
 from torch import nn
 from torchvision.models import ResNet  # resnet*, resnext*, wide_resnet*
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 
 
 class ConvNet(nn.Module):
@@ -89,9 +89,8 @@ def check_image_size(model: nn.Module, name: str, image_size: int) -> None:
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, image_size, image_size))
     except Exception as err:  # torchvision asserts, shape errors: any of them means this size does not fit
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"--model {name} cannot take --image_size {image_size} images ({reason}); choose the size "
-                        f"it was built for (224 for torchvision's ViTs) or another model") from None
+        raise UserError(f"--model {name} cannot take --image_size {image_size} images ({first_line(err)}); choose "
+                        f"the size it was built for (224 for torchvision's ViTs) or another model") from None
     finally:
         model.train(was_training)
 
