@@ -192,7 +192,6 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     import onnxruntime
     from safetensors.torch import load_file
     from sample_recorder import tiny_cnn
-    from torchvision.io import read_file
 
     from utils.image_data import decode_rgb, eval_transform, normalise_on_device
 
@@ -210,7 +209,7 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
 
     # Real images, decoded and resized as the run's evaluation does; PyTorch's logits from the saved weights
     transform = eval_transform(16, results(out)["augmentation"])
-    images = torch.stack([transform(decode_rgb(read_file(str(p)))) for p in sorted((data / "val").rglob("*.png"))])
+    images = torch.stack([transform(decode_rgb(p.read_bytes())) for p in sorted((data / "val").rglob("*.png"))])
     reference = tiny_cnn(num_classes=4)
     reference.load_state_dict(load_file(out / "model.safetensors"))
     with torch.no_grad():
