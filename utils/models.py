@@ -1,9 +1,15 @@
 """Models: the MNIST ConvNet, and torchvision classification models by name."""
 
+import contextlib
 import importlib
+from collections import OrderedDict
+from functools import partial
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torchvision.models import ResNet  # resnet*, resnext*, wide_resnet*
+from torchvision.models.vision_transformer import VisionTransformer  # vit_*
 
 from utils.errors import UserError, first_line
 
@@ -154,3 +160,56 @@ def replace_classifier(model: nn.Module, num_classes: int) -> nn.Module:
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, name.rpartition(".")[2], nn.Linear(head.in_features, num_classes))
     return model
+
+
+class CheckpointedBlocks(nn.Sequential):
+    """A Sequential of blocks that, in training, keeps only each block's input for the backward pass and runs the
+    block's forward again there: the activations of one block at a time instead of all, for a second forward.
+    The same children under the same names, so the weights load and save unchanged."""
+
+    def forward(self, x):
+        for block in self:
+            if self.training and torch.is_grad_enabled():
+                # non-reentrant: works under DDP, torch.compile and with inputs that need no gradient; the RNG state
+                # is replayed, so dropout draws the same mask twice
+                x = checkpoint(block, x, use_reentrant=False, context_fn=partial(_first_pass_updates_batchnorm, block))
+            else:
+                x = block(x)
+        return x
+
+
+def _first_pass_updates_batchnorm(block):
+    """checkpoint's contexts: the forward as usual; the recomputation normalises with the batch's statistics again but
+    leaves the running ones alone, which the first pass already updated (or they would move twice per step)."""
+    return contextlib.nullcontext(), _running_stats_frozen(block)
+
+
+@contextlib.contextmanager
+def _running_stats_frozen(block):
+    """BatchNorm as in training (batch statistics, the same saved tensors) with momentum 0: the running statistics
+    stay as they are, and the batch count is put back."""
+    norms = [m for m in block.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    saved = [(norm.momentum, norm.num_batches_tracked.clone()) for norm in norms]
+    for norm in norms:
+        norm.momentum = 0.0
+    try:
+        yield
+    finally:
+        for norm, (momentum, count) in zip(norms, saved, strict=True):
+            norm.momentum = momentum
+            norm.num_batches_tracked.copy_(count)
+
+
+def use_gradient_checkpointing(model: nn.Module, name: str) -> int:
+    """--gradient_checkpointing: a ResNet's residual blocks or a ViT's encoder layers become CheckpointedBlocks.
+    Returns the number of blocks; one error line for other models."""
+    if isinstance(model, ResNet):
+        stages = ["layer1", "layer2", "layer3", "layer4"]
+    elif isinstance(model, VisionTransformer):
+        model, stages = model.encoder, ["layers"]
+    else:
+        raise UserError(f"--gradient_checkpointing works on the torchvision ResNets and ViTs; --model {name} is neither: "
+                        f"drop the flag, or call torch.utils.checkpoint.checkpoint in your model's forward")
+    for stage in stages:
+        setattr(model, stage, CheckpointedBlocks(OrderedDict(getattr(model, stage).named_children())))
+    return sum(len(getattr(model, stage)) for stage in stages)
