@@ -4,10 +4,11 @@ and the device-side normalisation what the float pipeline gave, in one copy."""
 
 import io
 
+import datasets
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from PIL import ExifTags, Image
 from torchvision.transforms import v2
 
 from utils.errors import UserError
@@ -51,6 +52,19 @@ def test_every_format_and_mode_decodes_to_the_rgb_pixels_pil_gives(fmt, mode):
     assert (pixels.int() - expected.permute(2, 0, 1).int()).abs().max() <= (1 if mode == "CMYK" else 0)
     # (3, H, W) over (H, W, 3) memory: the layout torch's uint8 resize reads fastest, no copy made
     assert pixels.stride() == (1, 40 * 3, 3)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_photo_the_camera_tagged_as_rotated_is_turned_upright_as_datasets_does(fmt):
+    exif = Image.Exif()
+    exif[ExifTags.Base.Orientation] = 6  # "turn 90 degrees clockwise to view": phones write it for portrait shots
+    buffer = io.BytesIO()
+    SMOOTH.save(buffer, fmt, exif=exif)
+    data = buffer.getvalue()
+    pixels = decode_rgb(data)
+    assert pixels.shape == (3, 40, 30)  # 40 wide, 30 high as stored; upright it is 30 wide, 40 high
+    upright = datasets.Image().decode_example({"bytes": data, "path": None}).convert("RGB")  # what `datasets` gives
+    assert torch.equal(pixels, torch.from_numpy(np.array(upright)).permute(2, 0, 1))
 
 
 def test_a_truncated_jpeg_is_an_error_not_a_grey_half_image():
