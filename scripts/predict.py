@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from
 from utils.data import normalise_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
-from utils.image_data import normalise_on_device  # noqa: E402
+from utils.image_data import autocast_dtype, normalise_on_device  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.predictions import (  # noqa: E402
     WholeBatches,
@@ -123,7 +123,7 @@ def main(args):
     if trained.is_mnist:
         normalise = normalise_mnist
     else:
-        input_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+        input_dtype = autocast_dtype(accelerator.mixed_precision)  # [accelerate] the launch config's precision
         normalise = partial(normalise_on_device, dtype=input_dtype, channels_last=args.channels_last)
     batches = WholeBatches(inputs.dataset, args.batch_size, inputs.blank, stop_on_error=args.on_error == "stop")
 

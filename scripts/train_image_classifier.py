@@ -59,6 +59,7 @@ from utils.flags import (  # noqa: E402
 from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.image_data import (  # noqa: E402
     TransformedImages,
+    autocast_dtype,
     default_hflip,
     eval_transform,
     load_image_datasets,
@@ -272,7 +273,7 @@ def main(args):
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
     # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.
-    input_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    input_dtype = autocast_dtype(accelerator.mixed_precision)  # [accelerate] the launch config's precision
 
     def model_input(images):
         return normalise_on_device(images, input_dtype, args.channels_last)

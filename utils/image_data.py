@@ -16,7 +16,7 @@ import torch
 from PIL import ExifTags, Image, ImageOps
 from torchvision.transforms import v2
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 
 # torchvision's pretrained weights expect ImageNet-normalised inputs; from scratch it does no harm.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -46,14 +46,14 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
         try:
             splits = datasets.load_dataset("imagefolder", data_dir=str(data_dir))
         except Exception as err:  # no images, unreadable files: datasets raises many types
-            raise UserError(f"{source}: not an image folder ({type(err).__name__}: {_first_line(err)}); "
+            raise UserError(f"{source}: not an image folder ({type(err).__name__}: {first_line(err)}); "
                             f"expected DIR/<class>/*.jpg or DIR/train/<class>/* and DIR/val/<class>/*") from None
     else:
         source = f"--dataset {dataset}"
         try:
             splits = datasets.load_dataset(dataset, dataset_config)
         except Exception as err:  # offline, no cache, unknown name, gated dataset...
-            raise UserError(f"could not load {source} ({type(err).__name__}: {_first_line(err)}); check the name "
+            raise UserError(f"could not load {source} ({type(err).__name__}: {first_line(err)}); check the name "
                             f"(and --dataset_config), log in for gated datasets, or pass --data_dir with an image "
                             f"folder") from None
 
@@ -81,7 +81,7 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
         try:
             parts = train.train_test_split(test_size=val_split, seed=VAL_SPLIT_SEED, stratify_by_column=label_column)
         except ValueError as err:  # e.g. fewer images in a class than the split needs
-            raise UserError(f"{source}: cannot split off --val_split {val_split} ({_first_line(err)}); "
+            raise UserError(f"{source}: cannot split off --val_split {val_split} ({first_line(err)}); "
                             f"add images or change --val_split") from None
         train, eval_ = parts["train"], parts["test"]
     class_names = train.features[label_column].names
@@ -113,10 +113,6 @@ def _column_of_type(dataset, feature_type, preferred, source, flag):
         raise UserError(f"{source}: cannot tell which column holds the {preferred}s (found {matches or 'none'} "
                         f"among {dataset.column_names}); name it with {flag}")
     return matches[0]
-
-
-def _first_line(err) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 # --augmentation auto: the ImageNet recipe from this side up; below it, the small-image one.
@@ -166,6 +162,12 @@ def _uint8_image(*geometry):
     """The recipe's geometric steps on a uint8 (3, H, W) tensor, giving one: torchvision's uint8 resize is its fastest,
     and normalise_on_device does the rest on the device."""
     return v2.Compose(geometry)
+
+
+def autocast_dtype(mixed_precision: str) -> torch.dtype:
+    """The dtype autocast computes in under the launch's mixed precision ("fp16", "bf16"; float32 otherwise): what
+    normalise_on_device should give, so the model's first layer casts nothing."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)
 
 
 def normalise_on_device(images, dtype=torch.float32, channels_last: bool = False):
