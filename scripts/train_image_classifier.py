@@ -10,7 +10,6 @@ config decides. Lines marked `# [accelerate]` are what differs from a plain PyTo
 """
 
 import logging
-import math
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from
 from utils.batch_size import fit_batch_size  # noqa: E402
 from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
+    accumulation_keeping,
     batches_to_skip,
     check_output_dir,
     epochs_to_train,
@@ -45,8 +45,9 @@ from utils.checkpoints import (  # noqa: E402
     save_checkpoint,
     save_if_best,
     start_output_dir,
+    step_checkpoint_due,
 )
-from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient  # noqa: E402
+from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import (  # noqa: E402
     build_parser,
@@ -61,24 +62,22 @@ from utils.image_data import (  # noqa: E402
     TransformedImages,
     autocast_dtype,
     default_hflip,
+    device_normaliser,
     eval_transform,
     load_image_datasets,
-    normalise_on_device,
     resolve_augmentation,
     train_transform,
 )
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
+from utils.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_optimizer, warmup_cosine  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
 from utils.signals import StopSignal, ignore_stop_signals, stop_requested  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
-
-DEFAULT_LEARNING_RATE = {"sgd": 0.1, "adamw": 1e-3}
-DEFAULT_WEIGHT_DECAY = {"sgd": 1e-4, "adamw": 0.05}
 
 
 def parse_args(argv=None):
@@ -178,6 +177,64 @@ def describe_run(args) -> dict:
     }
 
 
+def build_datasets(args):
+    """The training and evaluation images (decoded later, in the DataLoader workers) and the class names."""
+    train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
+        args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column, args.val_split
+    )
+    if args.max_train_samples is not None:
+        train_split = train_split.select(range(min(args.max_train_samples, len(train_split))))
+    if args.max_eval_samples is not None:
+        eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
+    columns = (image_column, label_column)
+    train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
+    train_dataset = TransformedImages(train_split, train_transforms, *columns, seed=args.seed)
+    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
+    return train_dataset, eval_dataset, class_names
+
+
+def ddp_options(args):
+    """--find_unused_parameters and --ddp_comm_hook, for the DistributedDataParallel that Accelerate builds."""
+    return DistributedDataParallelKwargs(  # [accelerate]
+        find_unused_parameters=args.find_unused_parameters,
+        comm_hook=DDPCommunicationHookType(args.ddp_comm_hook or "no"),
+    )
+
+
+def build_image_model(args, num_classes: int, device):
+    """--model with --pretrained weights and --stem, changed as --gradient_checkpointing, --sync_bn and --channels_last
+    ask: before DDP wraps it."""
+    if args.sync_bn and device.type != "cuda":
+        raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop it on the CPU")
+    model = build_model(args.model, num_classes, args.pretrained, args.image_size, args.stem)
+    if args.gradient_checkpointing:
+        use_gradient_checkpointing(model, args.model)
+    if args.sync_bn:  # BatchNorm statistics from the global batch, not from each GPU's slice
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def loader_options(args, device) -> dict:
+    """DataLoader options: --num_workers processes that stay up between epochs and ignore --save_on_signal's signals
+    (the training processes handle them); pinned memory for faster copies to a GPU."""
+    return {"num_workers": args.num_workers, "persistent_workers": args.num_workers > 0,
+            "pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
+
+
+def describe_model(args, accelerator, model, class_names, train_size: int) -> dict:
+    """What predict.py needs to rebuild the model, and the recipe --augmentation auto chose: for results.json."""
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # [accelerate] no DDP or compile wrapper
+    return {
+        "model": args.model, "image_size": args.image_size, "augmentation": args.augmentation, "hflip": args.hflip,
+        "stem": stem_of(plain_model),  # ResNets: small or imagenet
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "class_names": class_names,  # class id i is class_names[i]
+        "train_size": train_size,
+    }
+
+
 def evaluate(accelerator, model, dataloader, metric, model_input):
     """Top-1/top-5 accuracy and mean loss over exactly the eval set, whatever the number of processes."""
     model.eval()
@@ -213,152 +270,102 @@ def main(args):
     run = describe_run(args)  # what defines this run: recorded as run.json with each of its checkpoints
     check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
 
-    # [accelerate] DDP options: Accelerate builds DistributedDataParallel, so they travel as kwargs.
-    ddp_kwargs = DistributedDataParallelKwargs(
-        find_unused_parameters=args.find_unused_parameters,
-        comm_hook=DDPCommunicationHookType(args.ddp_comm_hook or "no"),
-    )
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
-        cpu=args.cpu, mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # --report_to: TensorBoard, MLflow, W&B (none: an empty list); project_dir: where TensorBoard writes
+        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to, project_dir=args.output_dir,
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-        step_scheduler_with_optimizer=False,  # we step it once per optimizer step (by default: once per process)
-        kwargs_handlers=[ddp_kwargs, InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],
+        # step_scheduler_with_optimizer: we step it once per optimizer step (by default: once per process)
+        gradient_accumulation_steps=args.gradient_accumulation_steps, step_scheduler_with_optimizer=False,
         dynamo_backend="inductor" if args.compile else None,  # None: as the launch config says
-        log_with=args.report_to or None, project_dir=args.output_dir,  # --report_to: TensorBoard, MLflow, W&B
-    )
+        # options of what Accelerate builds: DistributedDataParallel (see ddp_options) and the process group
+        kwargs_handlers=[ddp_options(args), InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    logger.info(accelerator.state)
+    logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
         accelerator.end_training()  # [accelerate]
         return 0
-    progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
-    if args.sync_bn and accelerator.device.type != "cuda":
-        raise UserError("--sync_bn needs GPUs: PyTorch's SyncBatchNorm only works with GPU modules; drop it on the CPU")
-    # Data: the main process reads the folder (or downloads) and builds the datasets cache;
-    # the others wait, then read that cache. Images are decoded later, in the workers. [accelerate]
+    # [accelerate] the main process reads the folder (or downloads) and builds the datasets cache, downloads the
+    # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
+    # unless they share a filesystem)
     with accelerator.main_process_first():
-        train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
-            args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column, args.val_split
-        )
-    if args.max_train_samples is not None:
-        train_split = train_split.select(range(min(args.max_train_samples, len(train_split))))
-    if args.max_eval_samples is not None:
-        eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
-    columns = (image_column, label_column)
-    train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
-    train_dataset = TransformedImages(train_split, train_transforms, *columns, seed=args.seed)
-    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
-    with accelerator.main_process_first():  # [accelerate] --pretrained downloads the weights once
-        model = build_model(args.model, num_classes=len(class_names), pretrained=args.pretrained,
-                            image_size=args.image_size, stem=args.stem)
-    if args.gradient_checkpointing:  # before DDP wraps it, as every change to the model
-        use_gradient_checkpointing(model, args.model)
-    if args.sync_bn:
-        # BatchNorm statistics from the global batch, not from each GPU's slice; before DDP wraps it
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    if args.optimizer == "sgd":
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate, momentum=args.momentum,
-                                    weight_decay=args.weight_decay)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+        train_dataset, eval_dataset, class_names = build_datasets(args)
+        model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
+        metric = load_metric("topk_accuracy")
+    optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
     # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.
-    input_dtype = autocast_dtype(accelerator.mixed_precision)  # [accelerate] the launch config's precision
+    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
 
-    def model_input(images):
-        return normalise_on_device(images, input_dtype, args.channels_last)
+    # shared: the global batch
+    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
+        # [accelerate] this run's process count
+        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
+    if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
+        args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
+            accelerator, model, optimizer, train_dataset, args, progress if resuming else None, model_input)
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
+    # [accelerate] the process count and global batch in effect, as its checkpoints will record them
+    progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    if args.auto_find_batch_size:  # [accelerate] find_executable_batch_size: halve --batch_size until a step fits
-        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming, model_input)
-    loader_options = dict(
-        num_workers=args.num_workers,
-        pin_memory=accelerator.device.type == "cuda",
-        persistent_workers=args.num_workers > 0,  # no worker start-up cost at every epoch
-        worker_init_fn=ignore_stop_signals if args.save_on_signal else None,
-    )
+    options = loader_options(args, accelerator.device)  # [accelerate] the device: pinned memory for a GPU
     # drop_last: a last batch of one image would break BatchNorm in training
-    train_dataloader = DataLoader(
-        train_dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, **loader_options
-    )
-    eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, **loader_options)
+    train_dataloader = DataLoader(train_dataset, args.batch_size, shuffle=True, drop_last=True, **options)
+    eval_dataloader = DataLoader(eval_dataset, args.batch_size, **options)
     # Every epoch trains on whole global batches only, the same number on any number of processes
     # (so that a run resumed on another number keeps its schedule); the rest of the shuffle is left out.
-    steps_per_epoch = len(train_dataset) // progress.global_batch_size
-    if steps_per_epoch == 0:
-        raise UserError(f"{len(train_dataset)} training images are fewer than one global batch "
-                        f"({progress.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
-
+    steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
     max_steps = steps_per_epoch * args.epochs
-    warmup_steps = min(round(args.warmup_epochs * steps_per_epoch), max_steps)
-
-    def warmup_then_cosine(step):
-        """Learning-rate factor after `step` optimizer steps: linear warmup, then cosine decay to 0."""
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, max_steps - warmup_steps)))
-
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
+    lr_scheduler = warmup_cosine(optimizer, min(round(args.warmup_epochs * steps_per_epoch), max_steps), max_steps)
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
-        train_dataloader, eval_dataloader, model, optimizer, lr_scheduler
-    )
-    with accelerator.main_process_first():
-        metric = load_metric("topk_accuracy")
+        train_dataloader, eval_dataloader, model, optimizer, lr_scheduler)
 
     # shared: resume, then the first write
-    # [accelerate] load_state: weights, optimizer, scheduler, GradScaler and RNG states, if there is a checkpoint
-    load_checkpoint(accelerator, model, checkpoint, progress, args)
-    if accelerator.is_main_process:  # only now, with data, model and checkpoint all valid, does the run write
+    load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # always saved at the end of a cycle, so the next one starts afresh
+    accelerator.step = 0
+    if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
-    if args.report_to:
-        accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))  # [accelerate]
+    # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
+    accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training and evaluation metrics
-    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)
-    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # --max_grad_norm: the norms before clipping
+    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
+    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
+    # [accelerate] one progress bar per machine
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler:
-        for epoch in epochs_to_train(accelerator, progress, args):  # none with --eval_only; --early_stopping_patience
+        for epoch in epochs_to_train(accelerator, progress, args):  # [collective] --early_stopping_patience
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
-            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] mid-epoch
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
+            # [accelerate] a loader that starts after the batches the checkpoint's run trained in this epoch
             batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
             meter.start()
             for images, labels in batches:
                 if progress.global_step == (epoch + 1) * steps_per_epoch:  # whole global batches only, see above
                     break
                 images = model_input(images)
-                with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
-                    try:
-                        logits = model(images)
-                    except RuntimeError as err:
-                        if is_unused_parameter_error(err):  # raised by DDP one step after the fact; name the culprits
-                            unused = parameters_without_gradient(accelerator.unwrap_model(model), images)
-                            raise UserError(
-                                f"DDP stopped: the loss does not depend on these parameters: "
-                                f"{', '.join(unused) or '(none found in one pass)'}; "
-                                f"pass --find_unused_parameters (slower), or remove them from the model"
-                            ) from None
-                        raise
+                # [accelerate] accumulate: no DDP all-reduce on accumulation steps; DDP's unused-parameter error named
+                with accelerator.accumulate(model), unused_parameters_named(accelerator.unwrap_model(model), images):
+                    logits = model(images)
                     loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] unscales fp16
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
+                        # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
                         grad_norms.add(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # [accelerate]
                         lr_scheduler.step()
                     optimizer.zero_grad()
                 # shared: after each batch
@@ -369,58 +376,48 @@ def main(args):
                     progress.global_step += 1
                     progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
                     progress_bar.update(1)
-                    # [accelerate] set_trigger/check_trigger: all processes stop after the same step
+                    # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                    every = args.checkpointing_steps
-                    if stopping or (isinstance(every, int) and progress.global_step % every == 0):
-                        meter.pause()
-                        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-                        saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                                args.checkpoints_total_limit)
-                        meter.start()
+                    if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
+                        with meter.paused():  # saving is not training time
+                            gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
+                            saved = save_checkpoint(  # [collective]
+                                accelerator, args.output_dir, f"step_{progress.global_step}", progress,
+                                args.checkpoints_total_limit)
                     if stopping:
+                        logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue "
+                                    f"with --resume_from_checkpoint latest")
                         break
             meter.pause()
             if stopping:
                 break
 
-            gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-            results.update(train_loss=progress.end_epoch(), **grad_norms.take(),
-                           **evaluate(accelerator, model, eval_dataloader, metric, model_input))
+            gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
+            # [collective] evaluate. LambdaLR counts its steps in last_epoch (global_step: once per optimizer step)
+            results.update(train_loss=progress.end_epoch(), lr_scheduler_steps=lr_scheduler.scheduler.last_epoch,
+                           **grad_norms.take(), **evaluate(accelerator, model, eval_dataloader, metric, model_input))
             logger.info(f"epoch {epoch}: {results}")
-            if args.report_to:  # [accelerate]
-                accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
-                                step=progress.global_step)
-            save_if_best(accelerator, model, progress, results, epoch, args)  # --metric_for_best: OUTPUT_DIR/best
+            # [accelerate] to every tracker (none: nothing to do)
+            accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
+                            step=progress.global_step)
+            save_if_best(accelerator, model, progress, results, epoch, args)  # [collective] --metric_for_best
             if args.checkpointing_steps == "epoch":
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress,  # [collective]
+                                args.checkpoints_total_limit)
     progress_bar.close()
 
-    if not args.eval_only:  # LambdaLR counts its steps in last_epoch; equal to global_step when stepped once per step
-        results["lr_scheduler_steps"] = lr_scheduler.scheduler.last_epoch
-    results.update({
-        "model": args.model,
-        "image_size": args.image_size,
-        "augmentation": args.augmentation,  # the recipe --augmentation auto chose
-        "hflip": args.hflip,
-        "stem": stem_of(accelerator.unwrap_model(model, keep_torch_compile=False)),  # ResNets: small or imagenet
-        "gradient_checkpointing": args.gradient_checkpointing,
-        "class_names": class_names,  # class id i is class_names[i]
-        "train_size": len(train_dataset),
-    })
     if args.eval_only:
-        results.update(evaluate(accelerator, model, eval_dataloader, metric, model_input))
+        results.update(evaluate(accelerator, model, eval_dataloader, metric, model_input))  # [collective]
+    results.update(describe_model(args, accelerator, model, class_names, len(train_dataset)))
     # shared: the end
-    if stopping:
-        logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue with "
-                    f"--resume_from_checkpoint latest")
-    else:
+    if not stopping:
         accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
-        else:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
+        else:  # the plain model's weights
+            # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
-            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
+            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # [collective] results.json
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
@@ -431,6 +428,7 @@ def main(args):
 if __name__ == "__main__":
     try:
         args = parse_args()
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         with collective_timeouts_named(args):  # --ddp_timeout outside the training loop: one line too
             sys.exit(main(args))
     except UserError as err:

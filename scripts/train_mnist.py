@@ -13,7 +13,6 @@ in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).
 """
 
 import logging
-import math
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -31,17 +30,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from
 from utils.batch_size import fit_batch_size  # noqa: E402
 from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
+    accumulation_keeping,
     batches_to_skip,
     check_output_dir,
+    epochs_to_train,
     gather_running_loss,
     load_checkpoint,
     nothing_left_to_train,
-    epochs_to_train,
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
     save_if_best,
     start_output_dir,
+    step_checkpoint_due,
 )
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
@@ -114,65 +115,79 @@ def main(args):
     check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
-        cpu=args.cpu, mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # --report_to: TensorBoard, MLflow, W&B (none: an empty list); project_dir: where TensorBoard writes
+        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to, project_dir=args.output_dir,
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
-        step_scheduler_with_optimizer=False,  # we step it once per optimizer step (by default: once per process)
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],  # --ddp_timeout
-        log_with=args.report_to or None, project_dir=args.output_dir,  # --report_to: TensorBoard, MLflow, W&B
-    )
+        # step_scheduler_with_optimizer: we step it once per optimizer step (by default: once per process)
+        gradient_accumulation_steps=args.gradient_accumulation_steps, step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])  # --ddp_timeout
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-    logger.info(accelerator.state)
+    logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
         accelerator.end_training()  # [accelerate]
         return 0
-    progress.adapt_to(accelerator, args, resuming)  # [accelerate] keeps a resumed run's global batch
 
-    with accelerator.main_process_first():  # [accelerate] the main process downloads, then the others read its cache
+    # [accelerate] the main process downloads MNIST (without --data_dir) and loads the metric's module, then the
+    # others read those caches (on each machine, unless they share a filesystem)
+    with accelerator.main_process_first():
         splits = load_mnist(args.data_dir)
+        metric = load_metric("accuracy")
     train_dataset = to_tensor_dataset(*splits["train"], max_samples=args.max_train_samples)
     eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
     model = ConvNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    if args.auto_find_batch_size:  # [accelerate] find_executable_batch_size: halve --batch_size until a step fits
-        fit_batch_size(accelerator, model, optimizer, train_dataset, progress, args, resuming)
-    pin_memory = accelerator.device.type == "cuda"
-    train_dataloader = DataLoader(train_dataset, batch_size=args.batch_size, shuffle=True, pin_memory=pin_memory)
-    eval_dataloader = DataLoader(eval_dataset, batch_size=args.batch_size, pin_memory=pin_memory)
+    model_input = None  # the batches are the model's input as they are (train_image_classifier normalises them)
 
-    # [accelerate] shards the dataloaders per process and moves batches to the device.
-    train_dataloader, eval_dataloader = accelerator.prepare(train_dataloader, eval_dataloader)
-    max_steps = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps) * args.epochs  # len: per process
+    # shared: the global batch
+    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
+        # [accelerate] this run's process count
+        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
+    if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
+        args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
+            accelerator, model, optimizer, train_dataset, args, progress if resuming else None, model_input)
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
+    # [accelerate] the process count and global batch in effect, as its checkpoints will record them
+    progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
+
+    pin_memory = accelerator.device.type == "cuda"  # [accelerate]
+    train_dataloader = DataLoader(train_dataset, args.batch_size, shuffle=True, pin_memory=pin_memory)
+    eval_dataloader = DataLoader(eval_dataset, args.batch_size, pin_memory=pin_memory)
+    # Every epoch trains every sample once (Accelerate pads the last batches so that all processes take as many)
+    steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
+    max_steps = steps_per_epoch * args.epochs
     lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.learning_rate, max_steps, pct_start=0.15)
-    # [accelerate] DDP on several processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state
-    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-    with accelerator.main_process_first():
-        metric = load_metric("accuracy")
+    # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
+    # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
+    train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
+        train_dataloader, eval_dataloader, model, optimizer, lr_scheduler)
 
     # shared: resume, then the first write
-    # [accelerate] load_state: weights, optimizer, scheduler, GradScaler and RNG states, if there is a checkpoint
-    load_checkpoint(accelerator, model, checkpoint, progress, args)
-    if accelerator.is_main_process:  # only now, with data, model and checkpoint all valid, does the run write
+    load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # always saved at the end of a cycle, so the next one starts afresh
+    accelerator.step = 0
+    if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
-    if args.report_to:
-        accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))  # [accelerate]
+    # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
+    accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training and evaluation metrics
-    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)
-    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # --max_grad_norm: the norms before clipping
+    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
+    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
+    # [accelerate] one progress bar per machine
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler:
-        for epoch in epochs_to_train(accelerator, progress, args):  # none with --eval_only; --early_stopping_patience
+        for epoch in epochs_to_train(accelerator, progress, args):  # [collective] --early_stopping_patience
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
-            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] mid-epoch
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
+            # [accelerate] a loader that starts after the batches the checkpoint's run trained in this epoch
             batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
             meter.start()
             for images, labels in batches:
@@ -180,10 +195,11 @@ def main(args):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] unscales fp16
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
+                        # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
                         grad_norms.add(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # [accelerate]
                         lr_scheduler.step()
                     optimizer.zero_grad()
                 # shared: after each batch
@@ -194,45 +210,45 @@ def main(args):
                     progress.global_step += 1
                     progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
                     progress_bar.update(1)
-                    # [accelerate] set_trigger/check_trigger: all processes stop after the same step
+                    # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                    every = args.checkpointing_steps
-                    if stopping or (isinstance(every, int) and progress.global_step % every == 0):
-                        meter.pause()
-                        gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-                        saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                                args.checkpoints_total_limit)
-                        meter.start()
+                    if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
+                        with meter.paused():  # saving is not training time
+                            gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
+                            saved = save_checkpoint(  # [collective]
+                                accelerator, args.output_dir, f"step_{progress.global_step}", progress,
+                                args.checkpoints_total_limit)
                     if stopping:
+                        logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue "
+                                    f"with --resume_from_checkpoint latest")
                         break
             meter.pause()
             if stopping:
                 break
 
-            gather_running_loss(accelerator, running_loss, progress, args.output_dir)
-            results.update(train_loss=progress.end_epoch(), **grad_norms.take(),
+            gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
+            results.update(train_loss=progress.end_epoch(), **grad_norms.take(),  # [collective] evaluate
                            **evaluate(accelerator, model, eval_dataloader, metric))
             logger.info(f"epoch {epoch}: {results}")
-            if args.report_to:
-                accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate]
-            save_if_best(accelerator, model, progress, results, epoch, args)  # --metric_for_best: OUTPUT_DIR/best
+            # [accelerate] to every tracker (none: nothing to do)
+            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)
+            save_if_best(accelerator, model, progress, results, epoch, args)  # [collective] --metric_for_best
             if args.checkpointing_steps == "epoch":
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress,  # [collective]
+                                args.checkpoints_total_limit)
     progress_bar.close()
 
     if args.eval_only:
-        results.update(evaluate(accelerator, model, eval_dataloader, metric))
+        results.update(evaluate(accelerator, model, eval_dataloader, metric))  # [collective]
     # shared: the end
-    if stopping:
-        logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue with "
-                    f"--resume_from_checkpoint latest")
-    else:
+    if not stopping:
         accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
-        else:  # [accelerate] the plain model's weights: no DDP or compile wrapper, FSDP shards gathered
+        else:  # the plain model's weights
+            # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
-            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # all processes: it gathers
+            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # [collective] results.json
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
@@ -243,6 +259,7 @@ def main(args):
 if __name__ == "__main__":
     try:
         args = parse_args()
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         with collective_timeouts_named(args):  # --ddp_timeout outside the training loop: one line too
             sys.exit(main(args))
     except UserError as err:

@@ -1,9 +1,22 @@
 """Plumbing shared by the scripts: flags, data, models, metrics, checkpoints, results, launch checks.
 
 The scripts decide how processes talk to each other; the helpers here only say what they do.
-Two of them take the Accelerator and are collective (every process must call them, at the same
-point): `checkpoints.save_checkpoint` (barriers, then `save_state`; the main process renames the
-folder into place) and `results.report_run` (gathers one row per process). Everything else is local
-to the process that calls it. The scripts put the repository root on sys.path, so `utils` works
-from a plain clone.
+A few of them are collective: every process must call them, at the same point of the run, or the
+run hangs until --ddp_timeout (a call on the main process only is the classic mistake). They are
+listed in COLLECTIVE_HELPERS, and the scripts mark every call of one with `# [collective]`
+(tests/test_accelerate_markers.py checks both the list and the marks). Everything else is local to
+the process that calls it. The scripts put the repository root on sys.path, so `utils` works from a
+plain clone.
 """
+
+COLLECTIVE_HELPERS = (
+    "fit_batch_size",  # batch_size.py: gathers every process's largest fitting batch
+    "gather_running_loss",  # checkpoints.py: gathers the losses
+    "save_checkpoint",  # checkpoints.py: barriers around save_state, then all learn whether every process wrote
+    "stop_if_any_failed",  # checkpoints.py: save_checkpoint's check that every process wrote its files
+    "load_checkpoint",  # checkpoints.py: load_state (under FSDP: the shards)
+    "save_if_best",  # checkpoints.py: save_checkpoint of the plain weights
+    "epochs_to_train",  # checkpoints.py: check_trigger per epoch (--early_stopping_patience)
+    "stop_requested",  # signals.py: check_trigger per step (--save_on_signal)
+    "report_run",  # results.py: gathers one row per process
+)

@@ -6,19 +6,19 @@ from accelerate.logging import get_logger
 from accelerate.utils import find_executable_batch_size
 from torch.utils.data import default_collate
 
-from utils.checkpoints import gradient_accumulation_for
+from utils.checkpoints import accumulation_keeping
 from utils.errors import UserError
 
 logger = get_logger(__name__)
 
 
-def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resuming: bool,
-                   model_input=None) -> None:
-    """Collective; call before the DataLoaders are built and before `prepare`. Sets `args.batch_size` to the
-    largest of --batch_size, half of it, a quarter... with which one training step (forward under the run's
-    autocast, backward, optimizer step) on real samples does not run out of memory, on every process, then
-    sets the gradient accumulation that keeps the global batch where one does (on a resume it must), and logs
-    what it chose. The probe's step is undone: weights, BatchNorm statistics and optimizer state are restored.
+def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=None, model_input=None) -> tuple:
+    """Collective; call before the DataLoaders are built and before `prepare`. Returns the largest of
+    --batch_size, half of it, a quarter... with which one training step (forward under the run's autocast,
+    backward, optimizer step) on real samples does not run out of memory on every process, and the gradient
+    accumulation steps that keep the global batch: `keep_progress`'s (a resumed run's checkpoint: it must, or
+    one error line names flags that do), else the flags' where a whole number of steps does. Logs what it chose.
+    The probe's step is undone: weights, BatchNorm statistics and optimizer state are restored.
 
     Each process probes alone, on the unwrapped model (no DDP, so no collective can hang on a process that ran out
     of memory), then all agree on the smallest fitting size. DDP's gradient buckets (one more copy of the
@@ -62,16 +62,15 @@ def fit_batch_size(accelerator, model, optimizer, dataset, progress, args, resum
         optimizer.state.clear()  # no moments or step counts from the probe's step
     # [accelerate] the smallest size that fits on every process, so all train with the same batch
     fits = int(accelerator.gather(torch.tensor([fits], device=accelerator.device)).min().item())
+    accumulation, num_processes = args.gradient_accumulation_steps, accelerator.num_processes
     if fits == requested:
         logger.info(f"--auto_find_batch_size: --batch_size {requested} fits", main_process_only=True)
-        return
-    args.batch_size, per_step = fits, accelerator.num_processes * fits
-    if resuming:  # the checkpoint's global batch must be kept, or one error line names flags that keep it
-        args.gradient_accumulation_steps = gradient_accumulation_for(progress, accelerator.num_processes, args)
-    elif progress.global_batch_size % per_step == 0:  # where it can, keep the global batch the flags asked for
-        args.gradient_accumulation_steps = progress.global_batch_size // per_step
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate]
-    progress.adapt_to(accelerator, args, resuming=False)  # records the global batch now in effect
+        return fits, accumulation
+    if keep_progress is not None:
+        accumulation = accumulation_keeping(keep_progress, num_processes, args, batch_size=fits)
+    elif (requested * accumulation) % fits == 0:  # where it can, keep the global batch the flags asked for
+        accumulation = requested * accumulation // fits
     logger.info(f"--auto_find_batch_size: --batch_size {requested} runs out of memory, {fits} fits (tried "
-                f"{tried}); with --gradient_accumulation_steps {args.gradient_accumulation_steps} the global batch is "
-                f"{progress.global_batch_size}", main_process_only=True)
+                f"{tried}); with --gradient_accumulation_steps {accumulation} the global batch is "
+                f"{num_processes * fits * accumulation}", main_process_only=True)
+    return fits, accumulation

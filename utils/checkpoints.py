@@ -96,15 +96,25 @@ class TrainingProgress:
         self.samples_in_epoch += samples
         self.samples_seen += samples
 
-    def adapt_to(self, accelerator, args, resuming: bool) -> None:
-        """Record this run's process count and global batch. When `resuming` on another process count,
-        first set `args.gradient_accumulation_steps` and the Accelerator's to keep the checkpoint's
-        global batch (raises UserError naming flags that keep it when none does)."""
-        if resuming:
-            args.gradient_accumulation_steps = gradient_accumulation_for(self, accelerator.num_processes, args)
-            accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
-        self.num_processes = accelerator.num_processes
-        self.global_batch_size = accelerator.num_processes * args.batch_size * args.gradient_accumulation_steps
+    def with_batch(self, num_processes: int, batch_size: int, accumulation: int) -> "TrainingProgress":
+        """A copy that records this run's process count and global batch (what its checkpoints will say)."""
+        return dataclasses.replace(self, num_processes=num_processes,
+                                   global_batch_size=num_processes * batch_size * accumulation)
+
+    def steps_per_epoch(self, num_samples: int, batch_size: int, whole_global_batches: bool) -> int:
+        """The length of an epoch in optimizer steps, for `num_samples` training samples and the global batch
+        recorded by `with_batch`. whole_global_batches: the epoch ends after its last whole global batch (the same
+        steps on any number of processes); otherwise every sample is trained, the last batches padded by
+        Accelerate's even_batches and the last accumulation cycle cut short at the end of the data."""
+        if whole_global_batches:
+            steps = num_samples // self.global_batch_size
+        else:
+            batches_per_process = math.ceil(num_samples / (self.num_processes * batch_size))
+            steps = math.ceil(batches_per_process / (self.global_batch_size // (self.num_processes * batch_size)))
+        if steps == 0:
+            raise UserError(f"{num_samples} training samples are fewer than one global batch "
+                            f"({self.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
+        return steps
 
     def end_epoch(self) -> float:
         """The epoch's mean training loss; the progress then points at the next epoch."""
@@ -334,9 +344,6 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
         raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
                         f"another model") from None
-    # load_state also restores the count of batches in the accumulation cycle, in batches of the saving run's
-    # sharding; a checkpoint is always saved at the end of a cycle, so the next one starts afresh.
-    accelerator.step = 0
     logger.info(f"Resumed from {checkpoint}: epoch {progress.epoch}, step {progress.global_step}, "
                 f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
 
@@ -566,14 +573,15 @@ def nothing_left_to_train(progress: TrainingProgress, checkpoint, args) -> bool:
     return True
 
 
-def gradient_accumulation_for(progress: TrainingProgress, num_processes: int, args) -> int:
-    """On resume: the accumulation steps that keep the checkpoint's global batch on `num_processes`
-    processes of `args.batch_size`, logged when they differ from `args.gradient_accumulation_steps`.
+def accumulation_keeping(progress: TrainingProgress, num_processes: int, args, batch_size=None) -> int:
+    """On resume: the gradient accumulation steps that keep the checkpoint's global batch on `num_processes`
+    processes of `batch_size` samples (default --batch_size): --gradient_accumulation_steps when it already does,
+    else another number, logged.
 
     The learning-rate schedule and the optimizer state belong to that global batch; a different
     one would silently change the run. Raises UserError naming flags that work when none does.
     """
-    target, batch_size = progress.global_batch_size, args.batch_size
+    target, batch_size = progress.global_batch_size, batch_size or args.batch_size
     if num_processes * batch_size * args.gradient_accumulation_steps == target:
         return args.gradient_accumulation_steps
     if target % (num_processes * batch_size) == 0:
@@ -589,6 +597,11 @@ def gradient_accumulation_for(progress: TrainingProgress, num_processes: int, ar
     raise UserError(f"the checkpoint's global batch is {target} samples ({progress.num_processes} processes); on "
                     f"{num_processes} processes --batch_size {batch_size} cannot keep it: use --batch_size {keeps} "
                     f"--gradient_accumulation_steps {per_process // keeps}")
+
+
+def step_checkpoint_due(checkpointing_steps, global_step: int) -> bool:
+    """--checkpointing_steps N: a checkpoint after every N optimizer steps (not with "epoch" or none)."""
+    return isinstance(checkpointing_steps, int) and global_step % checkpointing_steps == 0
 
 
 def batches_to_skip(progress: TrainingProgress, num_processes: int, batch_size: int) -> int:

@@ -1,9 +1,12 @@
 """DDP's unused-parameter error: recognise it and name the parameters that caused it."""
 
+import contextlib
 import copy
 
 import torch
 from torch import nn
+
+from utils.errors import UserError
 
 
 def is_unused_parameter_error(err: BaseException) -> bool:
@@ -25,3 +28,19 @@ def parameters_without_gradient(model: nn.Module, inputs: torch.Tensor) -> list:
         outputs = outputs if isinstance(outputs, torch.Tensor) else outputs[0]
         outputs.float().sum().backward()
     return [name for name, p in probe.named_parameters() if p.requires_grad and p.grad is None]
+
+
+@contextlib.contextmanager
+def unused_parameters_named(model: nn.Module, inputs: torch.Tensor):
+    """Around the forward pass of a DDP model: DDP reports parameters that got no gradient one step after the
+    fact and without their names; this turns its error into one line that names them (found on a copy of
+    `model`, the plain module: pass accelerator.unwrap_model(model)) and the flag that allows them."""
+    try:
+        yield
+    except RuntimeError as err:
+        if not is_unused_parameter_error(err):
+            raise
+        unused = parameters_without_gradient(model, inputs)
+        raise UserError(f"DDP stopped: the loss does not depend on these parameters: "
+                        f"{', '.join(unused) or '(none found in one pass)'}; "
+                        f"pass --find_unused_parameters (slower), or remove them from the model") from None

@@ -7,6 +7,7 @@ stays uint8 up to the device, a quarter of float32's bytes, and `normalise_on_de
 there. scripts/benchmark_data.py measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipeline).
 """
 
+import functools
 import io
 from pathlib import Path
 
@@ -178,6 +179,11 @@ def normalise_on_device(images, dtype=torch.float32, channels_last: bool = False
     mean = torch.tensor(IMAGENET_MEAN, dtype=dtype, device=images.device).view(1, 3, 1, 1) * 255
     std = torch.tensor(IMAGENET_STD, dtype=dtype, device=images.device).view(1, 3, 1, 1) * 255
     return images.sub_(mean).div_(std)
+
+
+def device_normaliser(dtype=torch.float32, channels_last: bool = False):
+    """normalise_on_device with this run's dtype and memory format: what the training loop applies to each batch."""
+    return functools.partial(normalise_on_device, dtype=dtype, channels_last=channels_last)
 
 
 def decode_rgb(data: bytes) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """What a run reports: results.json (training) or eval_results.json (--eval_only), the run record run.json,
 training throughput, peak memory, replica fingerprints."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -51,6 +52,15 @@ class ThroughputMeter:
         if self.batches > self.warmup_batches:
             self.steady_time_s += elapsed
             self.steady_samples += num_samples
+
+    @contextlib.contextmanager
+    def paused(self):
+        """`pause()` for the time of a with block (a checkpoint, an evaluation), then `start()` again."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.start()
 
     def pause(self):
         """Call before evaluating or saving; `start()` again when training resumes."""
