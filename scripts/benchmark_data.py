@@ -36,8 +36,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
-from torchvision.transforms import v2
 from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,6 +87,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _before_train_transform(image_size, recipe, hflip):
+    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
     if recipe == "imagenet":
         geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
     elif recipe == "small":
@@ -100,16 +99,19 @@ def _before_train_transform(image_size, recipe, hflip):
 
 
 def _before_eval_transform(image_size, recipe):
+    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
     if recipe == "imagenet":
         return _before_normalised(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
     return _before_normalised(_before_whole_image(image_size))
 
 
 def _before_whole_image(image_size):
+    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
     return v2.Resize((image_size, image_size), antialias=True)
 
 
 def _before_normalised(*geometry):
+    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
     return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
                        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
@@ -145,6 +147,8 @@ class _DecodeOnly(torch.utils.data.Dataset):
         return len(self.samples)
 
     def __getitem__(self, index):
+        from PIL import Image  # imported once per worker; --help need not import it
+
         path, label = self.samples[index]
         with Image.open(path) as image:
             return torch.tensor(image.convert("RGB").size), label  # convert() decodes the whole image

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import TensorDataset
-from torchvision.datasets.mnist import read_image_file, read_label_file
 
 from utils.errors import UserError
 
@@ -54,6 +53,8 @@ def _read_idx(path: Path, reader):
 
 def load_mnist_idx(data_dir) -> dict:
     """{"train": (images uint8 [N, 28, 28], labels int64 [N]), "test": (...)} from IDX files."""
+    from torchvision.datasets.mnist import read_image_file, read_label_file  # here: --help need not import torchvision
+
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UserError(f"--data_dir {data_dir}: no such directory; point it at a folder holding the MNIST IDX files")

@@ -12,11 +12,10 @@ import io
 from pathlib import Path
 
 import numpy as np
-import simplejpeg
 import torch
-from PIL import ExifTags, Image, ImageOps
-from torchvision.transforms import v2
 
+# torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
+# which `--help` need not wait for
 from utils.errors import UserError, first_line
 
 # torchvision's pretrained weights expect ImageNet-normalised inputs; from scratch it does no harm.
@@ -137,6 +136,7 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
     """imagenet: RandomResizedCrop (8-100% of the area) as in torchvision's recipes. small: the whole image
     resized, a mild scale jitter (90-110%) and a random crop from a reflect-padded copy (pad 1/8 of the side), as in
     CIFAR recipes; a random crop of 8% of a 32-pixel image would leave a few pixels. none: the image resized."""
+    from torchvision.transforms import v2
     if recipe == "imagenet":
         geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
     elif recipe == "small":
@@ -150,18 +150,21 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
 def eval_transform(image_size: int, recipe: str = "imagenet"):
     """imagenet: resize to size/0.875, then the central crop (256 -> 224, the usual ImageNet ratio). small and
     none: the whole image resized to the size: the central crop would cut the borders off small images."""
+    from torchvision.transforms import v2
     if recipe == "imagenet":
         return _uint8_image(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
     return _uint8_image(_whole_image(image_size))
 
 
 def _whole_image(image_size: int):
+    from torchvision.transforms import v2
     return v2.Resize((image_size, image_size), antialias=True)  # no crop: non-square images are squeezed
 
 
 def _uint8_image(*geometry):
     """The recipe's geometric steps on a uint8 (3, H, W) tensor, giving one: torchvision's uint8 resize is its fastest,
     and normalise_on_device does the rest on the device."""
+    from torchvision.transforms import v2
     return v2.Compose(geometry)
 
 
@@ -194,6 +197,9 @@ def decode_rgb(data: bytes) -> torch.Tensor:
     and the photos a camera tagged as rotated, which it turns upright, as `datasets` does when it decodes. Both give rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the
     channels-last layout in which torch's uint8 resize is fastest.
     """
+    import simplejpeg
+    from PIL import ExifTags, Image, ImageOps
+
     pixels = None
     if data[:3] == b"\xff\xd8\xff":  # the JPEG signature
         with Image.open(io.BytesIO(data)) as image:  # reads the headers only (0.04 ms)

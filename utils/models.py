@@ -8,10 +8,10 @@ from functools import partial
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from torchvision.models import ResNet  # resnet*, resnext*, wide_resnet*
-from torchvision.models.vision_transformer import VisionTransformer  # vit_*
 
 from utils.errors import UserError, first_line
+
+# torchvision is imported in the functions that use it: it takes a second to import, which `--help` need not wait for
 
 
 class ConvNet(nn.Module):
@@ -51,6 +51,7 @@ def build_model(name: str, num_classes: int, pretrained: bool = False, image_siz
     `stem` (ResNets; see use_small_image_stem): "imagenet" leaves the model as built, "small" swaps the stem,
     "auto" swaps it up to SMALL_STEM_LIMIT pixels unless the weights are pretrained.
     With `image_size`, one image of that size goes through it first (see check_image_size)."""
+    from torchvision.models import ResNet
     model = _build(name, num_classes, pretrained)
     is_resnet = isinstance(model, ResNet)
     if stem == "small" and not is_resnet:
@@ -64,7 +65,7 @@ def build_model(name: str, num_classes: int, pretrained: bool = False, image_siz
     return model
 
 
-def use_small_image_stem(model: "ResNet") -> None:
+def use_small_image_stem(model) -> None:
     """The CIFAR-style stem: a 3x3 stride-1 first convolution and no max-pool, in place of the 7x7 stride-2
     convolution and the max-pool that shrink an ImageNet image 4x before the first block; on a 32-pixel
     image those leave 8x8 feature maps for the first block and 1x1 for the last (16x the compute of the
@@ -77,6 +78,7 @@ def use_small_image_stem(model: "ResNet") -> None:
 
 def stem_of(model: nn.Module):
     """Which stem a ResNet has ("small" or "imagenet"), for results.json; None for other models."""
+    from torchvision.models import ResNet
     if not isinstance(model, ResNet):
         return None
     return "small" if isinstance(model.maxpool, nn.Identity) and model.conv1.stride == (1, 1) else "imagenet"
@@ -203,6 +205,7 @@ def _running_stats_frozen(block):
 def use_gradient_checkpointing(model: nn.Module, name: str) -> int:
     """--gradient_checkpointing: a ResNet's residual blocks or a ViT's encoder layers become CheckpointedBlocks.
     Returns the number of blocks; one error line for other models."""
+    from torchvision.models import ResNet, VisionTransformer
     if isinstance(model, ResNet):
         stages = ["layer1", "layer2", "layer3", "layer4"]
     elif isinstance(model, VisionTransformer):
