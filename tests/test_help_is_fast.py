@@ -60,7 +60,8 @@ def test_help_imports_nothing_that_only_a_run_needs_and_is_fast():
 def test_the_checks_see_an_import_at_the_top(tmp_path):
     script = tmp_path / "slow_help.py"
     # torchvision, datasets and evaluate: about twice the import time of torch and accelerate
-    script.write_text("import argparse\nimport torchvision, datasets, evaluate\nargparse.ArgumentParser().parse_args()\n")
+    script.write_text("import argparse\nimport datasets, evaluate, torchvision\n"
+                      "argparse.ArgumentParser().parse_args()\n")
     modules, seconds = help_run(script)
     assert "torchvision" in run_only_modules(modules)
     assert seconds > LIMIT * cpu_seconds(sys.executable, "-c", "import torch, accelerate")
