@@ -4,9 +4,10 @@
     accelerate launch scripts/train_mnist.py                          # whatever `accelerate config` chose
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_mnist.py --cpu
 
-scripts/minimal_mnist.py is the same training in about 90 lines. This one adds what a real run
-needs: checkpoints and resume (also on another number of processes), preemption, the exact
-training loss, tracking and results.json. The same file runs on a CPU, one GPU, all GPUs of a
+scripts/minimal_mnist.py is the same model and data in one short file (Adam at a fixed learning
+rate, no checkpoints). This one adds what a real run needs: a one-cycle learning-rate schedule,
+checkpoints and resume (also on another number of processes), preemption, the exact training
+loss, tracking and results.json. The same file runs on a CPU, one GPU, all GPUs of a
 node or several nodes: the launch config decides. Lines marked `# [accelerate]` are what differs
 from a plain PyTorch script; each block from a `# shared:` line to the next blank line is identical
 in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).

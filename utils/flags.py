@@ -83,7 +83,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
 
     hyper = parser.add_argument_group("hyperparameters")
     hyper.add_argument("--epochs", type=positive_int, default=epochs, help="passes over the training set")
-    hyper.add_argument("--batch_size", type=positive_int, default=batch_size, help="per process; the global batch is num_processes x batch_size")
+    hyper.add_argument("--batch_size", type=positive_int, default=batch_size,
+                       help="per process; the global batch is num_processes x batch_size x gradient_accumulation_steps")
     hyper.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="peak learning rate")
     hyper.add_argument("--gradient_accumulation_steps", type=positive_int, default=1, help="batches per optimizer step")
     hyper.add_argument("--seed", type=seed, default=42, help="same on every process; 0 <= seed < 2**32")
@@ -104,7 +105,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     )
     hardware.add_argument(
         "--deterministic", action="store_true",
-        help="GPU: deterministic cuDNN/cuBLAS kernels, so reruns and resumes repeat bit for bit (slower)",
+        help="GPU: deterministic cuDNN/cuBLAS kernels, so reruns and resumes repeat bit for bit where PyTorch has "
+             "deterministic kernels; a warning names each one that has none (slower)",
     )
     hardware.add_argument(
         "--auto_find_batch_size", action="store_true",

@@ -1,8 +1,11 @@
 """--deterministic: the settings that make GPU runs repeatable, bit for bit, where PyTorch can.
 
-On the CPU our runs are deterministic already. On CUDA two things vary between runs: cuDNN's
-autotuner may pick different convolution algorithms, and some kernels accumulate with atomic
-adds in whatever order the threads arrive. Both are switched off here, at some cost in speed.
+On the CPU our runs are deterministic already (the tests compare weights bit for bit). On CUDA two
+things vary between runs: cuDNN's autotuner may pick different convolution algorithms, and some
+kernels accumulate with atomic adds in whatever order the threads arrive. Both are switched off
+here, at some cost in speed, except in the few kernels that have no deterministic version (e.g.
+the backward pass of adaptive average pooling, in every torchvision ResNet): PyTorch warns once
+for each of those and the run goes on, so such a run is not bit for bit repeatable.
 """
 
 import os

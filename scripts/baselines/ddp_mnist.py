@@ -104,7 +104,8 @@ def main(args):
     torch.manual_seed(args.seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
     output_dir = Path(args.output_dir)
 
-    # Only rank 0 downloads; the others wait at the barrier, then read its cache.
+    # Only rank 0 downloads; the others wait at the barrier, then read its cache (on rank 0's machine; on the others,
+    # without a shared filesystem, each process downloads its own copy).
     if rank != 0:
         dist.barrier()
     splits = load_mnist(args.data_dir)
