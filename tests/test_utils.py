@@ -169,3 +169,26 @@ def test_dataloader_workers_survive_sigterm_only_with_ignore_stop_signals(worker
             list(batches)
     else:
         assert [int(pid) for pid in batches] == [worker_pid] * 3
+
+
+@pytest.mark.parametrize("num_samples", [96, 97, 100, 1003])
+@pytest.mark.parametrize("num_processes, batch_size, accumulation", [(1, 8, 1), (2, 6, 2), (3, 5, 3), (2, 7, 4)])
+def test_steps_per_epoch_counts_the_optimizer_steps_accelerate_takes(num_samples, num_processes, batch_size,
+                                                                      accumulation):
+    """Both training scripts size their schedule with TrainingProgress.steps_per_epoch: it must equal the optimizer
+    steps of an epoch as Accelerate shards it (BatchSamplerShard: every process as many batches, the last ones padded)
+    and syncs gradients (every `accumulation` batches and at the end of the data)."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    progress = TrainingProgress().with_batch(num_processes, batch_size, accumulation)
+    batches = BatchSampler(SequentialSampler(range(num_samples)), batch_size, drop_last=False)
+    per_process = {len(BatchSamplerShard(batches, num_processes, rank, even_batches=True))
+                   for rank in range(num_processes)}
+    assert len(per_process) == 1  # even_batches: every process takes as many
+    syncs = sum(1 for batch in range(1, per_process.pop() + 1)
+                if batch % accumulation == 0 or batch == len(BatchSamplerShard(batches, num_processes, 0)))
+    assert progress.steps_per_epoch(num_samples, batch_size, whole_global_batches=False) == syncs
+    # whole global batches only (train_image_classifier): the same number on any process count
+    assert progress.steps_per_epoch(num_samples, batch_size, whole_global_batches=True) == \
+        num_samples // (num_processes * batch_size * accumulation)
