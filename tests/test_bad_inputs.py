@@ -69,6 +69,14 @@ def test_a_model_that_cannot_take_the_image_size_stops_before_writing(images, tm
     assert not (tmp_path / "out").exists()
 
 
+def test_fewer_images_than_one_global_batch_stop_before_writing(images, tmp_path):
+    """8 images per class x 4 classes = 32 training images; a global batch of 8 x 5 accumulation steps = 40."""
+    proc = run([sys.executable, CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", tmp_path / "out", *SMALL,
+                "--gradient_accumulation_steps", "5"], check=False)
+    assert_clean_user_error(proc, "32 training samples are fewer than one global batch (40)", "--batch_size")
+    assert not (tmp_path / "out").exists()
+
+
 # Decoded in the main process; in a DataLoader worker on one of two processes, whose partner stops with a note.
 @pytest.mark.parametrize("num_workers, num_processes", [("0", 1), ("1", 2)])
 def test_a_corrupt_image_names_its_file(tmp_path, num_workers, num_processes):
