@@ -16,6 +16,19 @@ from helpers import REPO
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
 
 
+def documents() -> list:
+    """The documents, as paths relative to the repository: README.md, every docs/*.md page, then the pages of
+    docs' subfolders (the published benchmarks' notes)."""
+    pages = sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "docs").glob("*/**/*.md"))
+    return ["README.md", *(page.relative_to(REPO).as_posix() for page in pages)]
+
+
+def document_commands() -> list:
+    """(document, command) for every command of every document, in document order."""
+    return [(document, command) for document in documents()
+            for command in bash_commands((REPO / document).read_text())]
+
+
 def bash_commands(text: str) -> list:
     """Every command line in ```bash blocks (continuations joined, comments dropped)."""
     commands = []

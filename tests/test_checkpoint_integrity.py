@@ -120,10 +120,10 @@ def test_save_fsyncs_every_file_and_folder_before_the_rename_that_publishes_it(t
     assert ("fsync", str(tmp_path)) in events[rename:], "the rename itself is made durable"
 
 
-def test_readme_says_what_a_power_loss_can_and_cannot_lose():
-    readme = (REPO / "README.md").read_text()
-    assert "**A power loss**" in readme
-    section = " ".join(readme.split("**A power loss**", 1)[1].split("\n\n", 1)[0].split())  # one line
+def test_the_docs_say_what_a_power_loss_can_and_cannot_lose():
+    page = (REPO / "docs" / "reliability.md").read_text()
+    assert "**A power loss**" in page
+    section = " ".join(page.split("**A power loss**", 1)[1].split("\n\n", 1)[0].split())  # one line
     for words in ("fsync", "cannot lose", "can lose", "manifest.json"):
         assert words in section, words
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from doc_commands import bash_commands, runnable
+from doc_commands import document_commands, runnable
 from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results, run, skip_or_fail_in_ci
 from image_data import make_split_image_folder
 
@@ -225,10 +225,11 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     print(f"ONNX vs PyTorch, max abs difference of the logits: {max(differences):.2e}")
 
 
-def test_readme_predict_commands_run(image_run, mnist_run, tmp_path):
-    """The README's predict.py commands, as written plus --cpu and tiny data (later flags override earlier ones)."""
-    commands = [c for c in bash_commands((REPO / "README.md").read_text()) if "scripts/predict.py" in c]
-    assert len(commands) >= 3, "the README shows how to predict on images and on MNIST, and how to export"
+def test_documented_predict_commands_run(image_run, mnist_run, tmp_path):
+    """The predict.py commands of the README and docs/ (docs/predict_and_export.md), as written plus --cpu and tiny
+    data (later flags override earlier ones)."""
+    commands = [c for _, c in document_commands() if "scripts/predict.py" in c]
+    assert len(commands) >= 3, "the documents show how to predict on images and on MNIST, and how to export"
     for i, command in enumerate(commands):
         if "--export" in command and importlib.util.find_spec("onnxruntime") is None:
             continue  # the export test above says what is missing

@@ -1,22 +1,40 @@
-"""The README stays true: its commands name files and flags that exist, and they run."""
+"""The README and the pages of docs/ stay true: their commands name files and flags that exist, their launch
+commands run, each command that downloads says so on its line, their links lead somewhere, and the README stays
+a front page."""
 
+import ast
 import re
 import shlex
+import sys
+from pathlib import Path
 
 import pytest
-from doc_commands import ACCELERATE, bash_commands, check_command, runnable
+from doc_commands import ACCELERATE, bash_commands, check_command, document_commands, documents, runnable
 from helpers import REPO, make_synthetic_mnist, results, run
 
 README = (REPO / "README.md").read_text()
+DOCUMENTS = documents()
+MIGRATION_PAIRS = ("minimal_mnist.py", "minimal_mnist_plain.py", "converted_ddp_imagenet_style.py", "ddp_imagenet_style.py")
+
+
+def text_of(document: str) -> str:
+    return (REPO / document).read_text()
 
 
 def launch_commands() -> list:
-    """Commands that run `accelerate launch`, directly or through a wrapper script."""
-    return [c for c in bash_commands(README) if "accelerate launch " in c]
+    """(document, command) for the commands that run `accelerate launch`, directly or through a wrapper script."""
+    return [(document, c) for document, c in document_commands() if "accelerate launch " in c]
 
 
 QUICKSTART_RUN = "accelerate launch scripts/train_mnist.py"
 TEST_COMMAND = "python -m pytest -q -n 2 --dist loadfile tests"
+
+
+def test_the_documents_are_the_readme_and_every_docs_page():
+    pages = {page.relative_to(REPO).as_posix() for page in (REPO / "docs").rglob("*.md")}
+    assert DOCUMENTS[0] == "README.md" and set(DOCUMENTS[1:]) == pages
+    assert {"docs/topologies.md", "docs/slurm.md", "docs/reliability.md", "docs/benchmarks.md", "docs/gpus.md",
+            "docs/troubleshooting.md", "docs/migration_guide.md"} <= pages
 
 
 def test_quickstart_has_the_install_run_and_test_commands():
@@ -37,11 +55,75 @@ def test_ci_runs_the_readme_install_and_test_commands():
     assert ci.rstrip().splitlines()[-1] == TEST_COMMAND
 
 
-def test_readme_commands_name_existing_files_and_flags(helps):
-    commands = bash_commands(README)
-    assert launch_commands(), "the README shows how to launch"
-    for command in commands:
+# ---------------------------------------------------------------- the README is a front page
+
+def test_the_readme_is_a_front_page_that_links_every_page():
+    lines = README.count("\n")
+    assert lines <= 300, f"README.md has {lines} lines: move the details to a page of docs/"
+    for heading in ("## Quickstart", "## The minimal pair", "## The complete scripts", "## Choosing a topology",
+                    "## Capabilities"):
+        assert f"\n{heading}\n" in README, heading
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", README))
+    unlinked = [page for page in DOCUMENTS[1:] if page.count("/") == 1 and page not in linked]
+    assert not unlinked, f"link these pages from the README: {unlinked}"
+
+
+def test_the_readme_says_the_complete_scripts_are_copied_with_utils():
+    assert "The complete scripts are copied together with `utils/`" in README
+    for script in MIGRATION_PAIRS:
+        assert script in README.split("## The complete scripts", 1)[1].split("\n## ", 1)[0], script
+
+
+def imports_utils(script: Path) -> bool:
+    tree = ast.parse(script.read_text())
+    return any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "utils"
+               or isinstance(node, ast.Import) and any(a.name.split(".")[0] == "utils" for a in node.names)
+               for node in ast.walk(tree))
+
+
+def test_layout_says_which_scripts_need_utils_and_names_every_utils_module():
+    layout = text_of("docs/layout.md")
+    rows = dict(re.findall(r"^\| `(scripts/[\w/]+\.py)` \|.*\| (itself alone|`utils/`) \|$", layout, flags=re.M))
+    scripts = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "scripts").rglob("*.py"))
+    assert sorted(rows) == scripts, "docs/layout.md has one row per script"
+    for script, copy_with in rows.items():
+        assert (copy_with == "`utils/`") == imports_utils(REPO / script), f"{script}: {copy_with} is not true"
+    single = sorted(Path(s).name for s, copy_with in rows.items() if copy_with == "itself alone")
+    assert single == sorted(MIGRATION_PAIRS), "only the two migration pairs are single files"
+    modules = {p.relative_to(REPO).as_posix() for p in (REPO / "utils").glob("*.py") if p.name != "__init__.py"}
+    modules |= {p.relative_to(REPO).as_posix() + "/" for p in (REPO / "utils").iterdir() if (p / "__init__.py").is_file()}
+    assert modules == set(re.findall(r"^\| `(utils/[\w/.]+)` \|", layout, flags=re.M)), "one row per utils module"
+    # the rule can fail: the converted script's plain twin imports nothing of ours, the classifier does
+    assert not imports_utils(REPO / "scripts/baselines/ddp_imagenet_style.py")
+    assert imports_utils(REPO / "scripts/train_image_classifier.py")
+
+
+def capability_rows() -> list:
+    table = README.split("## Capabilities", 1)[1].split("\n## ", 1)[0]
+    return [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| capability")]
+
+
+def test_every_capability_row_links_its_page_and_names_tests_that_exist():
+    rows = capability_rows()
+    assert len(rows) >= 50
+    for row in rows:
+        _, page, tests = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert re.search(r"\]\((docs/[\w.]+\.md|#[\w-]+)(#[\w-]+)?\)", page), f"no page: {row}"
+        for test in re.findall(r"`(tests/[\w/.]+)`", tests):
+            assert (REPO / test).is_file(), f"{test} does not exist: {row}"
+
+
+# ---------------------------------------------------------------- commands
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_commands_name_existing_files_and_flags(document, helps):
+    for command in bash_commands(text_of(document)):
         check_command(command, helps)
+
+
+def test_the_documents_show_how_to_launch_and_every_readme_command_is_checked():
+    assert len(launch_commands()) >= 30, "the documents show how to launch"
+    assert sum(document == "README.md" for document, _ in document_commands()) >= 5
 
 
 def test_quickstart_command_as_written_offline_asks_for_data_dir(tmp_path):
@@ -70,10 +152,10 @@ def downloads(words: list):
     return None
 
 
-def readme_command_lines() -> list:
-    """(command, the comment on its line) for every line of the README's ```bash blocks."""
+def command_lines(text: str) -> list:
+    """(command, the comment on its line) for every line of the text's ```bash blocks."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             command, comment = re.fullmatch(r"(.*?)(?:(?:^|\s)(#.*))?", line).groups()
             if command.strip():
@@ -81,44 +163,75 @@ def readme_command_lines() -> list:
     return lines
 
 
-def test_every_readme_command_runs_offline_or_says_in_its_line_what_it_needs():
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_command_runs_offline_or_says_in_its_line_what_it_needs(document):
     """A user offline (or on a compute node without network) copies a command and it fails: each one names
     local data with --data_dir, or its own line's comment says what it downloads / what to add."""
-    commands = readme_command_lines()
-    assert [command for command, _ in commands] == bash_commands(README)
+    text = text_of(document)
+    commands = command_lines(text)
+    assert [command for command, _ in commands] == bash_commands(text)
     needing = []
     for command, comment in commands:
         fetched = downloads(shlex.split(command))
-        if fetched == "MNIST from the Hub" and "--data_dir" not in comment:
-            needing.append(command)
-        elif fetched in ("a Hub dataset", "pretrained weights") and "network" not in comment:
+        said = "--data_dir" if fetched == "MNIST from the Hub" else "network"
+        if fetched and said not in comment:
             needing.append(command)
     assert not needing, "add --data_dir path/to/MNIST/raw, or say what it downloads:\n" + "\n".join(needing)
-    # the rule can fail: the Quickstart's command downloads, and its comment says what to add
+
+
+def test_the_download_rule_can_fail():
+    # the Quickstart's command downloads, and its comment says what to add
     quickstart = ("accelerate launch scripts/train_mnist.py",
                   "# downloads MNIST once; offline add --data_dir path/to/MNIST/raw")
-    assert downloads(shlex.split(quickstart[0])) == "MNIST from the Hub" and quickstart in commands
+    assert downloads(shlex.split(quickstart[0])) == "MNIST from the Hub" and quickstart in command_lines(README)
+    assert downloads(shlex.split("accelerate launch scripts/train_image_classifier.py --dataset x")) == "a Hub dataset"
+
+
+# Scripts whose commands need more than small generated data: the test that runs them.
+RUN_ELSEWHERE = {
+    "scripts/predict.py": "needs a trained run: tests/test_predict.py runs the documents' predict.py commands",
+    "scripts/converted_ddp_imagenet_style.py": "takes its data as a positional argument: "
+                                               "tests/test_whole_script_conversion.py runs it",
+}
+RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
 
 
 def first_command_per_topology() -> list:
-    """One command per (launch options, script): the others differ only in script flags,
-    which test_launch_commands_name_existing_files_and_flags checks. scripts/predict.py needs a trained
-    run: tests/test_predict.py runs its commands."""
+    """One command per (launch options, script), over all documents (the first one found): the others differ
+    only in script flags, which test_commands_name_existing_files_and_flags checks."""
     chosen = {}
-    for command in launch_commands():
-        if "scripts/predict.py" in command:
+    for document, command in launch_commands():
+        script = next(word for word in shlex.split(command) if word.endswith(".py"))
+        if script in RUN_ELSEWHERE:
             continue
+        assert script in RUN_HERE, f"no rule runs {script}: add it to RUN_HERE or RUN_ELSEWHERE ({document})"
         launcher_part = command.split(".py", 1)[0]
-        chosen.setdefault(launcher_part, command)
-    return sorted(chosen.values())
+        chosen.setdefault(launcher_part, (document, command))
+    return [pytest.param(command, id=f"{document}: {command}") for document, command in chosen.values()]
+
+
+def needs_more_than_cpus(command: str):
+    """Why the command cannot run on this machine's CPU processes (None: it can)."""
+    launcher, _, script_part = command.partition(".py")
+    config = re.search(r"--config_file\s+(\S+)", launcher)
+    if config and "cpu" not in config.group(1):
+        return (f"{config.group(1)} needs GPUs or several machines (CI has neither); "
+                "tests/test_configs.py and tests/test_topologies.py check it")
+    if "--gpu_ids" in launcher:
+        return "--gpu_ids names GPUs (CI has none); tests/test_topologies.py checks a GPU subset"
+    processes = re.search(r"--num_processes\s+(\d+)", launcher)
+    several = "--multi_gpu" in launcher or (processes and int(processes.group(1)) > 1)
+    if several and "--cpu" not in script_part.split():
+        return ("several processes without the script's --cpu take one GPU each (CI has none); "
+                "tests/test_errors.py checks the line such a launch gives on CPUs")
+    return None
 
 
 @pytest.mark.parametrize("command", first_command_per_topology())
 def test_launch_commands_run_on_cpu(command, tmp_path):
-    config = re.search(r"--config_file\s+(\S+)", command)
-    if config and "cpu" not in config.group(1):
-        pytest.skip(f"{config.group(1)} needs GPUs or several machines (CI has neither); "
-                    "tests/test_configs.py and tests/test_topologies.py check it")
+    reason = needs_more_than_cpus(command)
+    if reason:
+        pytest.skip(reason)
     out = tmp_path / "out"
     # The command as written, plus small generated data, on a machine where `accelerate config` never ran.
     if "train_image_classifier.py" in command:
@@ -130,3 +243,75 @@ def test_launch_commands_run_on_cpu(command, tmp_path):
         data, extra, expected_eval = make_synthetic_mnist(tmp_path / "data", num_train=128, num_test=40), [], 40
     run([*runnable(command), "--data_dir", data, "--epochs", "1", "--output_dir", out, *extra])
     assert results(out)["eval_samples"] == expected_eval
+
+
+def test_commands_that_need_gpus_are_told_apart():
+    assert needs_more_than_cpus("accelerate launch --multi_gpu --num_processes 2 scripts/train_mnist.py")
+    assert needs_more_than_cpus("accelerate launch --config_file accelerate_configs/fsdp.yaml scripts/x.py --cpu")
+    assert needs_more_than_cpus("accelerate launch --gpu_ids 2,3 --num_processes 2 scripts/train_mnist.py")
+    assert not needs_more_than_cpus("accelerate launch --multi_gpu --num_processes 2 scripts/train_mnist.py --cpu")
+    assert not needs_more_than_cpus("accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/t.py")
+
+
+# ---------------------------------------------------------------- links and paths
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    heading = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading: its text
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(heading) for heading in re.findall(r"^#+ (.*)$", text, flags=re.M)}
+
+
+def relative_links(text: str) -> list:
+    """The targets of the text's Markdown links and images that are not URLs (code blocks left out)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"^[a-z][a-z0-9+.-]*:", t)]
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_relative_links_lead_to_files_and_headings_that_exist(document):
+    page = REPO / document
+    for target in relative_links(page.read_text()):
+        path, _, anchor = target.partition("#")
+        destination = (page.parent / path).resolve() if path else page
+        assert destination.exists(), f"{document}: the link ({target}) leads nowhere"
+        assert destination.is_relative_to(REPO), f"{document}: the link ({target}) leaves the repository"
+        if anchor and destination.suffix == ".md":
+            assert anchor in anchors(destination), f"{document}: no heading for #{anchor} in {destination.name}"
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_repository_paths_named_in_the_text_exist(document):
+    text = text_of(document)
+    for path in set(re.findall(r"`((?:scripts|accelerate_configs|utils|tests|docs)/[\w./-]+)`", text)):
+        assert (REPO / path).exists(), f"{document} names {path}, which does not exist"
+
+
+def test_the_link_rules_can_fail():
+    assert relative_links("[a](docs/x.md#y) [b](https://h.org) ![c](p.png) `[d](e)`") == ["docs/x.md#y", "p.png", "e"]
+    assert slug("GPUs: what has run and what has not") == "gpus-what-has-run-and-what-has-not"
+    assert slug("run.json") == "runjson" and slug('Several CPU processes: do not answer "multi-CPU"') == \
+        "several-cpu-processes-do-not-answer-multi-cpu"
+
+
+# ---------------------------------------------------------------- the flag tables
+
+def table_flags(text: str) -> set:
+    """The flags in the first column of the text's tables."""
+    return {flag for cell in re.findall(r"^\| (.+?) \|", text, flags=re.M)
+            for flag in re.findall(r"`(--[\w-]+)", cell)}
+
+
+def test_every_flag_in_the_flag_tables_exists_in_the_scripts_that_take_it(helps):
+    shared = table_flags(text_of("docs/flags.md"))
+    classifier = table_flags(text_of("docs/image_classification.md").split("## Flags", 1)[1].split("\n## ", 1)[0])
+    assert len(shared) >= 25 and len(classifier) >= 15
+    for script, flags in (("train_mnist.py", shared), ("train_image_classifier.py", shared | classifier)):
+        help_text = helps(sys.executable, str(REPO / "scripts" / script))
+        missing = [flag for flag in sorted(flags) if not re.search(rf"{re.escape(flag)}\b", help_text)]
+        assert not missing, f"{script} has no {missing}"
