@@ -50,6 +50,7 @@ from utils.checkpoints import (  # noqa: E402
 from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import (  # noqa: E402
+    add_lr_scheduler_flags,
     build_parser,
     check_flag_combinations,
     default_num_workers,
@@ -71,7 +72,12 @@ from utils.image_data import (  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
-from utils.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_optimizer, warmup_cosine  # noqa: E402
+from utils.optim import (  # noqa: E402
+    DEFAULT_LEARNING_RATE,
+    DEFAULT_WEIGHT_DECAY,
+    build_lr_scheduler,
+    build_optimizer,
+)
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
@@ -83,6 +89,7 @@ logger = get_logger(__name__)  # [accelerate] logs on the main process only, unl
 def parse_args(argv=None):
     parser = build_parser(__doc__.splitlines()[0], epochs=10, batch_size=64, learning_rate=0.1)
     parser.set_defaults(learning_rate=None)  # depends on --optimizer, see DEFAULT_LEARNING_RATE
+    add_lr_scheduler_flags(parser, lr_scheduler_type="cosine", warmup_epochs=1.0)
 
     data = parser.add_argument_group("image data (one of --data_dir, --dataset)")
     source = data.add_mutually_exclusive_group(required=True)
@@ -123,8 +130,6 @@ def parse_args(argv=None):
     )
     model.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     model.add_argument("--weight_decay", type=non_negative_float, default=None, help="default depends on --optimizer")
-    model.add_argument("--warmup_epochs", type=non_negative_float, default=1.0,
-                       help="linear warmup before the cosine decay")
     model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
 
     dist = parser.add_argument_group("distributed and performance switches")
@@ -173,7 +178,8 @@ def describe_run(args) -> dict:
         # a resume restores the learning rate, momentum and weight decay with the optimizer state
         "optimizer": args.optimizer, "learning_rate": args.learning_rate, "momentum": args.momentum,
         "weight_decay": args.weight_decay, "label_smoothing": args.label_smoothing,
-        "lr_scheduler": "warmup_cosine", "warmup_epochs": args.warmup_epochs,
+        "lr_scheduler_type": args.lr_scheduler_type, "warmup_steps": args.warmup_steps,
+        "warmup_epochs": args.warmup_epochs,
     }
 
 
@@ -321,7 +327,7 @@ def main(args):
     # (so that a run resumed on another number keeps its schedule); the rest of the shuffle is left out.
     steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
     max_steps = steps_per_epoch * args.epochs
-    lr_scheduler = warmup_cosine(optimizer, min(round(args.warmup_epochs * steps_per_epoch), max_steps), max_steps)
+    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, max_steps)  # --lr_scheduler_type, --warmup_*
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
@@ -393,13 +399,12 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-            # [collective] evaluate. LambdaLR counts its steps in last_epoch (global_step: once per optimizer step)
-            results.update(train_loss=progress.end_epoch(), lr_scheduler_steps=lr_scheduler.scheduler.last_epoch,
-                           **grad_norms.take(), **evaluate(accelerator, model, eval_dataloader, metric, model_input))
+            # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
+            results.update(train_loss=progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
+                           lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
+                           **evaluate(accelerator, model, eval_dataloader, metric, model_input))
             logger.info(f"epoch {epoch}: {results}")
-            # [accelerate] to every tracker (none: nothing to do)
-            accelerator.log(results | {"epoch": epoch, "learning_rate": lr_scheduler.get_last_lr()[0]},
-                            step=progress.global_step)
+            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate] to every tracker
             save_if_best(accelerator, model, progress, results, epoch, args)  # [collective] --metric_for_best
             if args.checkpointing_steps == "epoch":
                 save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress,  # [collective]

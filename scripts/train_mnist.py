@@ -47,11 +47,12 @@ from utils.checkpoints import (  # noqa: E402
 )
 from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import build_mnist_parser, check_flag_combinations, tracker_config  # noqa: E402
+from utils.flags import add_lr_scheduler_flags, build_mnist_parser, check_flag_combinations, tracker_config  # noqa: E402
 from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
+from utils.optim import build_lr_scheduler  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
@@ -62,6 +63,7 @@ logger = get_logger(__name__)  # [accelerate] logs on the main process only, unl
 
 def parse_args(argv=None):
     parser = build_mnist_parser(__doc__.splitlines()[0])
+    add_lr_scheduler_flags(parser, lr_scheduler_type="onecycle")
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
     return args
@@ -79,7 +81,8 @@ def describe_run(args) -> dict:
         "seed": args.seed,
         "optimizer": "adamw",
         "learning_rate": args.learning_rate,  # a resume restores the checkpoint's with the optimizer state
-        "lr_scheduler": "one_cycle",
+        "lr_scheduler_type": args.lr_scheduler_type, "warmup_steps": args.warmup_steps,
+        "warmup_epochs": args.warmup_epochs,
     }
 
 
@@ -161,7 +164,7 @@ def main(args):
     # Every epoch trains every sample once (Accelerate pads the last batches so that all processes take as many)
     steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
     max_steps = steps_per_epoch * args.epochs
-    lr_scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.learning_rate, max_steps, pct_start=0.15)
+    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, max_steps)  # --lr_scheduler_type, --warmup_*
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
@@ -228,11 +231,12 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-            results.update(train_loss=progress.end_epoch(), **grad_norms.take(),  # [collective] evaluate
+            # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
+            results.update(train_loss=progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
+                           lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
                            **evaluate(accelerator, model, eval_dataloader, metric))
             logger.info(f"epoch {epoch}: {results}")
-            # [accelerate] to every tracker (none: nothing to do)
-            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)
+            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate] to every tracker
             save_if_best(accelerator, model, progress, results, epoch, args)  # [collective] --metric_for_best
             if args.checkpointing_steps == "epoch":
                 save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress,  # [collective]

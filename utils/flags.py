@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from utils.errors import exit_with_error
+from utils.optim import LR_SCHEDULER_TYPES
 
 # The trackers the scripts offer (Accelerate supports more); each is named as the package it needs.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -49,6 +50,13 @@ def positive_float(text: str) -> float:
     value = _parse(text, float, "a positive number")
     if not 0 < value < float("inf"):  # also refuses nan, which every comparison lets through
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _parse(text, int, "a whole number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
     return value
 
 
@@ -166,6 +174,22 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     return parser
 
 
+def add_lr_scheduler_flags(parser: ArgumentParser, lr_scheduler_type: str, warmup_epochs=None) -> None:
+    """--lr_scheduler_type, --warmup_steps, --warmup_epochs (the HF Trainer's names), for the scripts that build their
+    schedule with utils/optim.py (the baselines keep the one-cycle schedule the articles use)."""
+    schedule = parser.add_argument_group("learning-rate schedule (counted in optimizer steps)")
+    schedule.add_argument(
+        "--lr_scheduler_type", choices=LR_SCHEDULER_TYPES, default=lr_scheduler_type,
+        help="after the warmup: cosine or linear decay to 0, constant, a tenth after each third (step); or torch's "
+             "OneCycleLR (utils/optim.py: build_lr_scheduler)",
+    )
+    warmup = schedule.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup_steps", type=non_negative_int, default=None,
+                        help="linear warmup over this many optimizer steps")
+    warmup.add_argument("--warmup_epochs", type=non_negative_float, default=warmup_epochs,
+                        help="linear warmup over this many epochs; with neither: 15%% of the run (onecycle) or none")
+
+
 def tracker_config(args) -> dict:
     """The run's flags as hyperparameters for the trackers, which take scalars and strings only."""
     return {k: ",".join(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v
@@ -182,6 +206,8 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
                      "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
         parser.error("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: pass one")
+    if getattr(args, "warmup_steps", None) is not None:
+        args.warmup_epochs = None  # the script's default --warmup_epochs gives way to --warmup_steps
     if args.early_stopping_patience is not None and args.metric_for_best is None:
         args.metric_for_best = "eval_loss"  # as the HF Trainer
     installed = [name for name in TRACKERS if importlib.util.find_spec(name)]

@@ -15,12 +15,48 @@ def build_optimizer(model, name: str, learning_rate: float, weight_decay: float,
     return torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
 
-def warmup_cosine(optimizer, warmup_steps: int, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warmup over `warmup_steps` optimizer steps, then cosine decay to 0 at `total_steps`."""
+LR_SCHEDULER_TYPES = ("cosine", "linear", "constant_with_warmup", "onecycle", "step")
+ONECYCLE_DEFAULT_WARMUP = 0.15  # of the run: OneCycleLR's pct_start, the MNIST recipe
+
+
+def warmup_steps_of(args, steps_per_epoch: int, total_steps: int) -> int:
+    """--warmup_steps (optimizer steps), or --warmup_epochs in optimizer steps; neither: 15% of the run for onecycle,
+    none for the others. Never more than the run."""
+    if args.warmup_steps is not None:
+        steps = args.warmup_steps
+    elif args.warmup_epochs is not None:
+        steps = round(args.warmup_epochs * steps_per_epoch)
+    else:
+        steps = round(ONECYCLE_DEFAULT_WARMUP * total_steps) if args.lr_scheduler_type == "onecycle" else 0
+    return min(steps, total_steps)
+
+
+def build_lr_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
+    """--lr_scheduler_type over a run of `total_steps` optimizer steps (the Hugging Face Trainer's names and shapes):
+    a linear warmup over warmup_steps_of(args, ...) steps (from 1/warmup_steps of the peak: the first step is not
+    wasted at 0), then
+    cosine: a cosine decay to 0 at `total_steps`; linear: a straight line to 0 at `total_steps`;
+    constant_with_warmup: the peak to the end; step: a tenth of the peak after each third of the steps after the
+    warmup (torchvision's ResNet recipe: epochs 30 and 60 of 90); onecycle: torch's OneCycleLR (its warmup is
+    cosine, from a 25th of the peak, and its decay ends 10^4 times lower; pct_start = warmup_steps / total_steps)."""
+    name, warmup_steps = args.lr_scheduler_type, warmup_steps_of(args, steps_per_epoch, total_steps)
+    if name == "onecycle":
+        peak = [group["lr"] for group in optimizer.param_groups]
+        asked = args.warmup_steps is not None or args.warmup_epochs is not None
+        pct_start = max(1, warmup_steps) / total_steps if asked else ONECYCLE_DEFAULT_WARMUP  # the exact 15% otherwise
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, peak, total_steps, pct_start=pct_start)
+    decay_steps = max(1, total_steps - warmup_steps)
+    after_warmup = {
+        "cosine": lambda done: 0.5 * (1 + math.cos(math.pi * done / decay_steps)),
+        "linear": lambda done: max(0.0, 1 - done / decay_steps),
+        "constant_with_warmup": lambda done: 1.0,
+        "step": lambda done: 0.1 ** min(2, 3 * done // decay_steps),
+    }[name]
 
     def factor(step):
+        """The learning rate after `step` optimizer steps, as a fraction of the peak."""
         if step < warmup_steps:
             return (step + 1) / warmup_steps
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+        return after_warmup(step - warmup_steps)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,98 @@
+"""--lr_scheduler_type and --warmup_steps/--warmup_epochs (issue 23): each schedule's shape, step by step, and in
+real runs of both scripts the schedule counted in optimizer steps (2 processes, gradient accumulation), ending
+where its shape says, recorded in run.json."""
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+from helpers import REPO, launch, make_synthetic_mnist, results
+from image_data import make_split_image_folder
+
+from utils.optim import LR_SCHEDULER_TYPES, build_lr_scheduler
+
+CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+PEAK, TOTAL = 0.5, 40
+
+
+def learning_rates(name, warmup_steps=None, warmup_epochs=None, steps_per_epoch=10, total=TOTAL) -> list:
+    """The learning rate of each of `total` optimizer steps."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK, momentum=0.9)
+    args = argparse.Namespace(lr_scheduler_type=name, warmup_steps=warmup_steps, warmup_epochs=warmup_epochs)
+    scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, total)
+    rates = []
+    for _ in range(total):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+@pytest.mark.parametrize("name", [n for n in LR_SCHEDULER_TYPES if n != "onecycle"])
+def test_the_warmup_climbs_linearly_to_the_peak(name):
+    rates = learning_rates(name, warmup_steps=4)
+    assert rates[:5] == pytest.approx([PEAK / 4, PEAK / 2, 3 * PEAK / 4, PEAK, PEAK])
+    assert learning_rates(name, warmup_epochs=0.4) == rates  # 0.4 epochs of 10 steps: the same 4 steps
+    assert max(rates) == pytest.approx(PEAK)
+
+
+def test_each_shape_after_the_warmup():
+    cosine, linear = learning_rates("cosine", warmup_steps=4), learning_rates("linear", warmup_steps=4)
+    # step 4 + k of 36 decay steps
+    assert cosine[4 + 18] == pytest.approx(PEAK / 2)
+    assert cosine[4 + 9] == pytest.approx(PEAK * (1 + math.cos(math.pi / 4)) / 2)
+    assert linear[4 + 18] == pytest.approx(PEAK / 2) and linear[-1] == pytest.approx(PEAK / 36)
+    assert all(a >= b for a, b in zip(cosine[4:], cosine[5:])) and all(a > b for a, b in zip(linear[4:], linear[5:]))
+    assert learning_rates("constant_with_warmup", warmup_steps=4)[4:] == pytest.approx([PEAK] * 36)
+    step = learning_rates("step", warmup_steps=4)  # a tenth after each third of the 36 steps after the warmup
+    assert step[4:] == pytest.approx([PEAK] * 12 + [PEAK / 10] * 12 + [PEAK / 100] * 12)
+    assert learning_rates("cosine")[0] == PEAK  # no warmup unless asked (onecycle aside)
+
+
+def test_onecycle_without_warmup_flags_is_the_mnist_recipe_exactly():
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK, momentum=0.9)
+    recipe = torch.optim.lr_scheduler.OneCycleLR(optimizer, PEAK, TOTAL, pct_start=0.15)
+    expected = []
+    for _ in range(TOTAL):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        recipe.step()
+    assert learning_rates("onecycle") == expected
+    rates = learning_rates("onecycle", warmup_steps=10)  # its rising phase: 10 steps, the peak after them
+    assert max(rates) == pytest.approx(PEAK) and rates.index(max(rates)) == 9
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return make_synthetic_mnist(tmp_path_factory.mktemp("schedule_digits"))
+
+
+def test_train_mnist_counts_the_schedule_in_optimizer_steps(digits, tmp_path):
+    """96 samples, 2 processes x 6 x 2 accumulation steps: 4 optimizer steps per epoch, 8 in 2 epochs; linear decay
+    reaches exactly 0 after the last of them only if the schedule was sized and stepped in optimizer steps."""
+    out = tmp_path / "linear"
+    launch(["--data_dir", digits, "--output_dir", out, "--max_train_samples", "96", "--max_eval_samples", "32",
+            "--batch_size", "6", "--gradient_accumulation_steps", "2", "--epochs", "2",
+            "--lr_scheduler_type", "linear", "--warmup_steps", "2"], num_processes=2)
+    r = results(out)
+    assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 8
+    assert r["current_learning_rate"] == 0.0
+    run = json.loads((out / "run.json").read_text())
+    assert (run["lr_scheduler_type"], run["warmup_steps"], run["warmup_epochs"]) == ("linear", 2, None)
+
+
+def test_train_image_classifier_step_schedule_ends_at_a_hundredth(tmp_path):
+    """4 classes x 8 images = 32, 2 processes x 4 x 1: 4 steps per epoch, 12 in 3 epochs; 1 warmup epoch, then
+    a tenth after each third of the other 8 steps: the last step's rate is a hundredth of the peak."""
+    images = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=2)
+    out = tmp_path / "step"
+    launch(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn", "--image_size",
+            "16", "--num_workers", "0", "--batch_size", "4", "--epochs", "3", "--optimizer", "adamw",
+            "--learning_rate", "0.002", "--lr_scheduler_type", "step"], num_processes=2, script=CLASSIFIER)
+    r = results(out)
+    assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 12
+    # after 12 steps: 4 of warmup, then 8 more (3 * 8 // 8 = 3 thirds passed; the decay stops at a hundredth)
+    assert r["current_learning_rate"] == pytest.approx(0.002 / 100)
+    assert json.loads((out / "run.json").read_text())["lr_scheduler_type"] == "step"
