@@ -153,7 +153,7 @@ def main(args):
 def train(train_loader, model, criterion, optimizer, epoch, accelerator, args):  # [accelerate]
     losses = AverageMeter()
     model.train()
-    accelerator.print(f"Epoch: [{epoch}] lr {optimizer.param_groups[0]['lr']:.6f}")  # [accelerate] once
+    accelerator.print(f"Epoch: [{epoch}] lr {optimizer.param_groups[0]['lr']:.6f}")  # [accelerate] once per machine
     for i, (images, target) in enumerate(train_loader):
         with accelerator.autocast():  # [accelerate] the precision of --amp or the launch config
             output = model(images)
@@ -168,7 +168,7 @@ def train(train_loader, model, criterion, optimizer, epoch, accelerator, args): 
             step_loss = accelerator.reduce(loss.detach(), reduction="mean")  # [accelerate]
             losses.update(step_loss.item(), len(target))
             accelerator.print(f"Epoch: [{epoch}][{i + 1}/{len(train_loader)}]\t"
-                              f"Loss {losses.val:.6f} ({losses.avg:.6f})")  # [accelerate] once
+                              f"Loss {losses.val:.6f} ({losses.avg:.6f})")  # [accelerate] once per machine
 
 
 def validate(val_loader, model, criterion, accelerator, args):  # [accelerate]
@@ -185,7 +185,8 @@ def validate(val_loader, model, criterion, accelerator, args):  # [accelerate]
     losses, top1 = AverageMeter(), AverageMeter()
     model.eval()
     run_validate(val_loader)  # [accelerate] every sample counted once: no all_reduce, no tail loader
-    accelerator.print(f" * Acc@1 {top1.avg:.3f} Loss {losses.avg:.6f} ({top1.count} images)")  # [accelerate] once
+    # [accelerate] printed once per machine (its local main process)
+    accelerator.print(f" * Acc@1 {top1.avg:.3f} Loss {losses.avg:.6f} ({top1.count} images)")
     return top1.avg
 
 

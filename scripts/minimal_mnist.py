@@ -104,7 +104,8 @@ def main(args):
             predictions, labels = accelerator.gather_for_metrics((predictions, labels))
             correct += (predictions == labels).sum().item()
             total += len(labels)
-        accelerator.print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")  # [accelerate] once
+        # [accelerate] printed once per machine (its local main process)
+        accelerator.print(f"epoch {epoch}: eval accuracy {correct / total:.4f} ({total} samples)")
 
     accelerator.save_model(model, args.output_dir)  # [accelerate] the unwrapped weights, from the main process
     if accelerator.is_main_process:  # [accelerate]

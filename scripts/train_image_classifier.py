@@ -363,7 +363,7 @@ def main(args):
                     break
                 images = model_input(images)
                 # [accelerate] accumulate: no DDP all-reduce on accumulation steps; DDP's unused-parameter error named
-                with accelerator.accumulate(model), unused_parameters_named(accelerator.unwrap_model(model), images):
+                with accelerator.accumulate(model), unused_parameters_named(accelerator, model, images):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses

@@ -161,7 +161,8 @@ def main(args):
     pin_memory = accelerator.device.type == "cuda"  # [accelerate]
     train_dataloader = DataLoader(train_dataset, args.batch_size, shuffle=True, pin_memory=pin_memory)
     eval_dataloader = DataLoader(eval_dataset, args.batch_size, pin_memory=pin_memory)
-    # Every epoch trains every sample once (Accelerate pads the last batches so that all processes take as many)
+    # Every epoch trains every sample at least once: on several processes Accelerate pads the last batches with
+    # samples from the start of the shuffle, so that all processes take as many
     steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
     max_steps = steps_per_epoch * args.epochs
     lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, max_steps)  # --lr_scheduler_type, --warmup_*

@@ -332,7 +332,8 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
         return
     try:
         if Path(checkpoint).name == BEST:
-            # imported here: it costs every process about a second at start, and only this path needs it
+            # imported here: only this path needs it, and at the top it would cost --help and every process's start
+            # about half a second (it imports torch._dynamo, which prepare() has loaded by the time it runs here)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
@@ -534,8 +535,9 @@ def check_output_dir(run: dict, checkpoint, args) -> None:
 def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
     """Main process, once data, model and checkpoint are known good: creates --output_dir. --overwrite_output_dir
     first deletes what an earlier run left there (checkpoints, best/, .tmp-* folders, RUN_FILES), so that
-    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what
-    may change on a resume (--epochs, the process count, the batch split), which its checkpoints copy."""
+    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what may
+    change on a resume (the process count, the batch split, and --epochs where `run` leaves it out, as
+    train_image_classifier.py's does), which its checkpoints copy."""
     output_dir = Path(args.output_dir)
     if args.overwrite_output_dir and output_dir.is_dir():
         deleted = []
@@ -563,13 +565,15 @@ def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
 
 def nothing_left_to_train(progress: TrainingProgress, checkpoint, args) -> bool:
     """A resume from a checkpoint at or past --epochs (a finished run started again by a restart loop or a
-    requeue, or a lower --epochs): says so in one line (main process). The caller then ends with status 0
-    and writes nothing, so model.safetensors and results.json stay those of the run that trained them."""
+    requeue; with train_image_classifier.py also a lower --epochs): says so in one line (main process). The caller
+    then ends with status 0 and writes nothing, so model.safetensors and results.json stay those of the run that
+    trained them."""
     if progress.epoch < args.epochs:
         return False
     logger.info(f"Nothing left to train: {checkpoint} has {progress.epoch} epochs done (step {progress.global_step}) "
-                f"and --epochs is {args.epochs}; model.safetensors and results.json left as they are (raise --epochs "
-                f"to train further)", main_process_only=True)
+                f"and --epochs is {args.epochs}; model.safetensors and results.json left as they are (to train "
+                f"further: train_image_classifier.py takes a higher --epochs; train_mnist.py's run includes its "
+                f"--epochs, so start a new run in another --output_dir)", main_process_only=True)
     return True
 
 

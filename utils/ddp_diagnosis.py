@@ -31,16 +31,16 @@ def parameters_without_gradient(model: nn.Module, inputs: torch.Tensor) -> list:
 
 
 @contextlib.contextmanager
-def unused_parameters_named(model: nn.Module, inputs: torch.Tensor):
-    """Around the forward pass of a DDP model: DDP reports parameters that got no gradient one step after the
-    fact and without their names; this turns its error into one line that names them (found on a copy of
-    `model`, the plain module: pass accelerator.unwrap_model(model)) and the flag that allows them."""
+def unused_parameters_named(accelerator, model: nn.Module, inputs: torch.Tensor):
+    """Around the forward pass of the prepared (DDP) `model`: DDP reports parameters that got no gradient one step
+    after the fact and without their names; this turns its error into one line that names them (found on a copy
+    of the plain module, without DDP or torch.compile wrappers) and the flag that allows them."""
     try:
         yield
     except RuntimeError as err:
         if not is_unused_parameter_error(err):
             raise
-        unused = parameters_without_gradient(model, inputs)
+        unused = parameters_without_gradient(accelerator.unwrap_model(model, keep_torch_compile=False), inputs)
         raise UserError(f"DDP stopped: the loss does not depend on these parameters: "
                         f"{', '.join(unused) or '(none found in one pass)'}; "
                         f"pass --find_unused_parameters (slower), or remove them from the model") from None

@@ -68,7 +68,7 @@ def non_negative_float(text: str) -> float:
 
 
 def seed(text: str) -> int:
-    """numpy's and torch's generators take seeds in [0, 2**32)."""
+    """Accelerate's set_seed also seeds numpy, whose generator takes seeds in [0, 2**32) (torch's takes larger)."""
     value = _parse(text, int, "a whole number")
     if not 0 <= value < 2**32:
         raise argparse.ArgumentTypeError(f"expected 0 <= seed < 2**32 (numpy's range), got {value}")

@@ -1,6 +1,7 @@
 """A process that stops answering (a hung GPU, a frozen node, a rank on another code path) leaves
-the others waiting in a collective until the process group's timeout (--ddp_timeout). Then the
-backend raises; this turns that into one line that says what happened and where. A collective whose
+the others waiting in a collective until the process group's timeout (--ddp_timeout). Then gloo (and
+NCCL with TORCH_NCCL_BLOCKING_WAIT=1) raises; this turns that into one line that says what happened and
+where. NCCL's watchdog otherwise ends the process itself, with its own message. A collective whose
 other end ended (a process that failed or was killed) stops this process with a note instead, so that
 the failed process's own error stays the one `error:` line."""
 
@@ -12,8 +13,9 @@ from utils.errors import UserError
 
 # What the backends raise (a RuntimeError, or its subclass DistBackendError) when a collective waited
 # too long, in torch 2.x: gloo "Timed out waiting 5000ms for recv operation to complete", the store
-# "wait timeout after 5000ms", NCCL's watchdog "Watchdog caught collective operation timeout" and its
-# TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". A gloo recv that timed out also closes
+# "wait timeout after 5000ms", NCCL with TORCH_NCCL_BLOCKING_WAIT=1 "... timed out in blocking wait". NCCL's
+# watchdog ("Watchdog caught collective operation timeout") raises nothing in Python by default: under torchrun
+# (TORCH_NCCL_ASYNC_ERROR_HANDLING=1) it takes the process down itself. A gloo recv that timed out also closes
 # every connection of its group, so the group's other operations, under way or next (DDP's bucketed
 # all-reduce, the next forward's buffer broadcast), may raise "Application timeout caused pair closure"
 # first. tests/test_hangs.py checks gloo's.

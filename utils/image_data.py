@@ -32,8 +32,9 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
 
     `data_dir`: an ImageFolder tree, either DIR/train/<class>/* with DIR/val|validation|test/<class>/*,
     or DIR/<class>/* alone, split by `val_split` (stratified, fixed seed). `dataset`: a Hub dataset
-    name (or a local folder of data files); columns are detected unless given. Class ids follow
-    the sorted class names, so they are the same on every process and in every run.
+    name (or a local folder of data files); columns are detected unless given. Class ids follow the sorted
+    class names for a folder or a plain integer/string label column, and the ClassLabel's own order (not
+    necessarily sorted) for a Hub dataset that has one; either way the same on every process and in every run.
     """
     import datasets  # imported here: the unit tests of the models need none of it
 

@@ -25,7 +25,8 @@ def check_accelerator(accelerator) -> None:
         )
     # Without --multi_gpu (or distributed_type MULTI_GPU) accelerate runs the script once, however
     # many processes were asked for: `distributed_type: MULTI_CPU` without mpirun (what `accelerate
-    # config` writes for "multi-CPU"), `--num_processes 2` alone, or accelerate launch's own --cpu.
+    # config` writes for "multi-CPU"), a 'NO' config, `--num_processes 2` alone on a machine with at most one
+    # GPU (with several and no config file, accelerate turns --multi_gpu on itself), or accelerate launch's --cpu.
     requested = requested_num_processes()
     if requested is not None and max(requested[0], 1) != launched:
         num_processes, source = requested
@@ -75,8 +76,8 @@ def requested_num_processes():
     config_file = args.config_file
     if config_file is None and os.path.isfile(default_config_file) and not args.cpu:
         config_file = default_config_file
-    if config_file is None:  # accelerate then counts the GPUs and starts at most one process without --multi_gpu
-        return None
+    if config_file is None:  # accelerate then starts one process per visible GPU (itself turning on --multi_gpu
+        return None          # with two or more), one without GPUs: no count was asked for
     num_processes = load_config_from_file(str(launcher_dir / config_file)).num_processes
     if num_processes is None:
         return None

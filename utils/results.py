@@ -146,9 +146,10 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
 
     Throughput is the samples of all processes over the slowest one's steady-state time (over all its
     batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
-    replica must hold the same weights: each process adds the fingerprints of its parameters and
-    buffers (BatchNorm statistics agree after an evaluation: DDP broadcasts buffers from rank 0 at
-    every forward). Under FSDP each process holds a shard, so the full weights are fingerprinted once.
+    replica must hold the same weights: each process adds the fingerprints of its parameters and buffers
+    (BatchNorm statistics agree after an evaluation: DDP broadcasts rank 0's buffers before each forward that
+    follows a synced training forward, so before the evaluation's first batch). Under FSDP each process holds a
+    shard, so the full weights are fingerprinted once.
     """
     device = accelerator.device
     per_process = accelerator.gather(torch.tensor(

@@ -75,8 +75,8 @@ def main(args):
     splits = load_mnist(args.data_dir)
     train_dataset = to_tensor_dataset(*splits["train"], max_samples=args.max_train_samples)
     eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
-    # --batch_size is per GPU, as in every script here: DataParallel splits one batch of
-    # num_gpus x batch_size, so each GPU computes what one DDP process would.
+    # --batch_size is per GPU, as in the other MNIST scripts (the imagenet-style pair's -b is per node):
+    # DataParallel splits one batch of num_gpus x batch_size, so each GPU computes what one DDP process would.
     batch_size = args.batch_size * num_gpus
     train_dataloader = DataLoader(train_dataset, batch_size=batch_size, shuffle=True, pin_memory=True)
     eval_dataloader = DataLoader(eval_dataset, batch_size=batch_size, pin_memory=True)
