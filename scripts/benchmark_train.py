@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.distributed.nn  # imported before any process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
-from accelerate.utils import broadcast  # [accelerate]
+from accelerate.utils import InitProcessGroupKwargs, broadcast  # [accelerate]
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -181,6 +181,7 @@ class Accelerate(Plain):
         self.accelerator = Accelerator(  # [accelerate]
             cpu=args.cpu, mixed_precision=args.mixed_precision, step_scheduler_with_optimizer=False,
             dynamo_backend="inductor" if args.compile else "no",
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],  # --ddp_timeout
         )
         # [accelerate] which process this is, of how many, and its device
         super().__init__(args, self.accelerator.process_index, self.accelerator.num_processes,
@@ -221,6 +222,10 @@ class Accelerate(Plain):
 
 
 METHODS = {"plain": Plain, "dataparallel": DataParallel, "ddp": DDP, "accelerate": Accelerate}
+# Flags of one kind of model, with their defaults: changed for the other kind they would mean nothing,
+# so they are refused (as the flags the baselines lack: see utils/benchmarking.py).
+MNIST_ONLY = {"data_dir": None, "max_train_samples": None, "max_eval_samples": None}
+RESNET_ONLY = {"image_size": 224, "synthetic_samples": 2560}
 
 
 def parse_args(argv=None):
@@ -231,9 +236,10 @@ def parse_args(argv=None):
                             "accelerate: accelerate launch")
     bench.add_argument("--model", choices=("convnet", "resnet18", "resnet50"), default="convnet",
                        help="convnet: the MNIST ConvNet on MNIST; resnets: synthetic 1000-class images")
-    bench.add_argument("--data_dir", default=None, help="MNIST IDX files for --model convnet; default: ylecun/mnist")
-    bench.add_argument("--image_size", type=positive_int, default=224, help="synthetic image side (resnets)")
-    bench.add_argument("--synthetic_samples", type=positive_int, default=2560,
+    bench.add_argument("--data_dir", default=None, help="MNIST IDX files (convnet); default: ylecun/mnist")
+    bench.add_argument("--image_size", type=positive_int, default=RESNET_ONLY["image_size"],
+                       help="synthetic image side (resnets)")
+    bench.add_argument("--synthetic_samples", type=positive_int, default=RESNET_ONLY["synthetic_samples"],
                        help="synthetic training images (resnets)")
     bench.add_argument("--data_on_device", action="store_true",
                        help="fast path: the training set as one tensor on the device, sharded by index; no DataLoader")
@@ -242,7 +248,17 @@ def parse_args(argv=None):
     bench.add_argument("--compile", action="store_true", help="torch.compile the model (inductor)")
     args = parser.parse_args(argv)
     reject_flags_the_baselines_lack(parser, args)
+    reject_flags_the_model_ignores(parser, args)
     return args
+
+
+def reject_flags_the_model_ignores(parser, args) -> None:
+    """The ConvNet trains on MNIST; the ResNets on generated images, with no evaluation (random labels)."""
+    ignored = RESNET_ONLY if args.model == "convnet" else MNIST_ONLY
+    for name, default in ignored.items():
+        if getattr(args, name) != default:
+            wanted = "resnet18 or resnet50" if args.model == "convnet" else "convnet"
+            parser.error(f"--{name} means nothing for --model {args.model}: it is a flag of --model {wanted}")
 
 
 class ShardsOnDevice:

@@ -6,13 +6,15 @@ import csv
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
-from helpers import REPO, run
+from helpers import REPO, assert_clean_user_error, launch_in_background, run, training_processes
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
@@ -160,16 +162,97 @@ def test_bad_selection_is_one_clear_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+# ---------------------------------------------------------------- every flag means something
+
+
+def test_a_flag_of_the_other_model_is_refused_with_one_line(synthetic_mnist, tmp_path):
+    """The ResNets train on generated images and are not evaluated: --max_train_samples, --max_eval_samples
+    and --data_dir would mean nothing for them (before, they were ignored: the run trained on all
+    --synthetic_samples images). Nor do --image_size and --synthetic_samples for the MNIST ConvNet."""
+    proc = run([sys.executable, BENCHMARK_TRAIN, "--method", "plain", "--cpu", "--model", "resnet18",
+                "--max_train_samples", "64", "--image_size", "16", "--synthetic_samples", "64",
+                "--output_dir", tmp_path / "resnet"], check=False)
+    assert_clean_user_error(proc, "--max_train_samples means nothing for --model resnet18")
+    assert proc.returncode == 2 and not (tmp_path / "resnet").exists()
+    proc = run([sys.executable, BENCHMARK_TRAIN, "--method", "plain", "--cpu", "--data_dir", synthetic_mnist,
+                "--image_size", "32", "--output_dir", tmp_path / "convnet"], check=False)
+    assert_clean_user_error(proc, "--image_size means nothing for --model convnet")
+    assert proc.returncode == 2 and not (tmp_path / "convnet").exists()
+
+
+def test_every_model_flag_is_checked_for_the_other_model(capsys):
+    """The same check, in-process, for each flag of one model given to the other; each model's own flags pass."""
+    benchmark_train = load_module(BENCHMARK_TRAIN)
+    for model, flags in (("resnet50", benchmark_train.MNIST_ONLY), ("convnet", benchmark_train.RESNET_ONLY)):
+        for name in flags:
+            with pytest.raises(SystemExit) as stopped:
+                benchmark_train.parse_args(["--method", "plain", "--model", model, f"--{name}", "7"])
+            (line,) = capsys.readouterr().err.splitlines()
+            assert stopped.value.code == 2 and line.startswith("error: ")
+            assert f"--{name} means nothing for --model {model}: it is a flag of --model " in line
+    args = benchmark_train.parse_args(["--method", "plain", "--model", "resnet18", "--image_size", "16"])
+    assert (args.image_size, args.synthetic_samples) == (16, 2560)
+    args = benchmark_train.parse_args(["--method", "plain", "--max_train_samples", "64", "--data_dir", "d"])
+    assert (args.max_train_samples, args.data_dir) == (64, "d")
+
+
+def rank_1_of(output_dir, job):
+    """Rank 1 of the job writing into `output_dir`, as soon as it exists. Stopped then, it leaves rank 0 waiting
+    in the process group's set-up or a collective of training, depending on how far it got."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert job.poll() is None, "the job ended before its processes were found"
+        assert time.monotonic() < deadline, "no rank 1 after 120 s"
+        found = [p for p in training_processes(output_dir) if p.environ().get("RANK") == "1"]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+
+
+# torchrun's agent gives a process that does not stop on SIGTERM this long before SIGKILL (see test_hangs.py).
+SHUTDOWN_GRACE = 30
+
+
+def test_accelerate_method_honours_ddp_timeout(synthetic_mnist, tmp_path):
+    """--ddp_timeout reaches Accelerate's process group (before, --method accelerate ignored it: the backend's
+    default applied, 30 minutes on gloo): when one process stops answering, the other gives up after 5 s."""
+    out = tmp_path / "out"
+    job = launch_in_background(["--method", "accelerate", "--data_dir", synthetic_mnist, "--data_on_device",
+                                "--epochs", "1000", "--batch_size", "16", "--ddp_timeout", "5", "--output_dir", out],
+                               num_processes=2, script=BENCHMARK_TRAIN)
+    stopped = None
+    try:
+        stopped = rank_1_of(out, job)
+        stopped.send_signal(signal.SIGSTOP)  # a frozen process: alive, but never answering
+        since = time.monotonic()
+        output, _ = job.communicate(timeout=5 + SHUTDOWN_GRACE + 120)
+        waited = time.monotonic() - since
+    finally:
+        if stopped is not None and stopped.is_running():
+            stopped.kill()
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0 and not (out / "results.json").exists()
+    timed_out = ("Timed out waiting 5000ms", "wait timeout after 5000ms")  # gloo's, the store's (utils/hangs.py)
+    assert any(message in output for message in timed_out), output[-3000:]
+    # the 5 s timeout, rank 0's exit, the launcher's grace for the stopped process, its SIGKILL
+    assert waited < 5 + SHUTDOWN_GRACE + 20, waited
+
+
 # ---------------------------------------------------------------- GPU-path logic, shown on the CPU
 
 
-def load_benchmark_module():
+def load_module(path):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("benchmark_under_test", BENCHMARK)
+    spec = importlib.util.spec_from_file_location(f"{path.stem}_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark_module():
+    return load_module(BENCHMARK)
 
 
 def test_a_dataparallel_row_counts_gpus_not_processes():
