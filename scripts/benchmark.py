@@ -8,22 +8,25 @@
 Every combination of --models x --data_paths x --methods x --precisions x --num_processes runs
 as its own subprocess, launched the way users launch it (python, torchrun, accelerate launch).
 The combinations run interleaved, in a new order in each of --repeats rounds, so that a slow
-minute on a shared machine hurts every method alike; each figure is the median over rounds.
-Combinations this machine cannot run (fp16 on a CPU, DataParallel without 2 GPUs, more
-processes than GPUs) are reported as skipped, with the reason.
+minute on a shared machine hurts every method alike. Combinations this machine cannot run
+(fp16 on a CPU, DataParallel without 2 GPUs, more processes than GPUs) or that mean nothing
+(plain PyTorch on several processes, DataParallel on one GPU) are reported as skipped, with
+the reason.
 
 What runs: MNIST with the DataLoader is timed with the scripts users copy, as they are
 (scripts/train_mnist.py and scripts/baselines/*_mnist.py); ResNets on synthetic images and
 the on-device fast path (--data_paths device) run scripts/benchmark_train.py, one loop that
 differs between methods only where the methods differ.
 
-Reported per combination: steady-state training samples/s of all processes together (the
-first 10 batches of each process are warm-up and excluded), time per epoch, peak memory of
-the largest process (GPU: max allocated; CPU: max resident set), final eval accuracy where
-the data is real, and the ratio of samples/s to raw DDP in the same setting (median over
-rounds of the per-round ratio). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with
-the machine, versions, the command and every single run), benchmark.md (the table in
-Markdown), throughput.png, scaling.png.
+Reported per combination, over its rounds: steady-state training samples/s of all processes
+together (the first 10 batches of each process are warm-up and excluded; a run with none past
+them fails), median, min and max; time per epoch (warm-up included), median; peak memory of the
+largest process (GPU: max allocated; CPU: max resident set), the maximum; final eval accuracy
+where the data is real, median; and samples/s over raw DDP's in the same setting, both as the
+median, min and max of the per-round ratios and as best of N (the fastest round over DDP's
+fastest). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with the machine, versions,
+the command and every single run), benchmark.md (the table in Markdown), throughput.png,
+scaling.png.
 """
 
 import argparse
@@ -58,7 +61,7 @@ MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
     "accelerate": REPO / "scripts" / "train_mnist.py",
 }
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
-# --quick: small enough for CI on 2 CPU cores, large enough for steady state after warm-up.
+# --quick: small enough for CI on 2 CPU cores, large enough for steady state after the warm-up (1 or 2 processes).
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
              image_size=32, synthetic_samples=512)
 FULL = dict(epochs=3, batch_size=64, max_train_samples=None, max_eval_samples=None, repeats=3,
@@ -112,11 +115,11 @@ def parse_args(argv=None):
     train.add_argument("--compile", action="store_true", help="ResNets and the fast path: torch.compile")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, benchmark.json, *.png")
+    out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, .json and .md, *.png")
     out.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take")
     out.add_argument("--rewrite_from", default=None, metavar="BENCHMARK_JSON",
-                     help="run nothing: rebuild the table, CSV and plots in --output_dir from the runs in a "
-                          "benchmark.json")
+                     help="run nothing: rebuild benchmark.csv, .json and .md and the plots in --output_dir from "
+                          "the runs in a benchmark.json")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -224,6 +227,10 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
     mismatch = ran_as_asked(combo, results)
     if mismatch:
         return {**record, "status": "failed", "reason": mismatch}
+    if results["train_samples_per_second"] is None or results.get("train_samples_per_second_over") == "all_batches":
+        # No steady state: train_mnist.py then gives the rate over all batches, the baselines none.
+        return {**record, "status": "failed", "reason": "no steady state: no process trained past the 10 warm-up "
+                "batches; give each more (--max_train_samples, --synthetic_samples, --batch_size)"}
     return {
         **record, "status": "ok", "reason": "",
         "samples_per_second": results["train_samples_per_second"],

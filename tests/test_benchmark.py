@@ -162,6 +162,22 @@ def test_bad_selection_is_one_clear_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_without_steady_state_fails_with_the_reason_instead_of_crashing_the_report(synthetic_mnist, tmp_path):
+    """160 samples in batches of 16: every batch is warm-up. ddp_mnist.py then reports no samples/s, train_mnist.py
+    the rate over all batches (warm-up included); neither is what the table compares, so both runs fail, saying
+    why (before, the report crashed on the missing number, after all the runs, and wrote nothing)."""
+    proc = run([sys.executable, BENCHMARK, "--quick", "--cpu", "--data_dir", synthetic_mnist, "--max_train_samples",
+                "160", "--batch_size", "16", "--methods", "ddp,accelerate", "--precisions", "fp32", "--num_processes",
+                "1", "--data_paths", "dataloader", "--output_dir", tmp_path], check=False)
+    assert_clean_user_error(proc, "2 combination(s) failed", "no steady state: no process trained past the 10 warm-up")
+    assert proc.returncode == 1
+    with open(tmp_path / "benchmark.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["method"], r["status"], r["samples_per_second"]) for r in rows] == [("ddp", "failed", ""),
+                                                                                  ("accelerate", "failed", "")]
+    assert all(r["reason"].startswith("no steady state: ") for r in rows)
+
+
 # ---------------------------------------------------------------- every flag means something
 
 

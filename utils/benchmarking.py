@@ -273,9 +273,10 @@ def write_csv(path, rows):
 
 
 def write_markdown(path, rows):
-    """The table as the README shows it: measured rows, then the skipped ones with their reasons."""
-    lines = ["| model | data | method | precision | processes | samples/s median (min-max) | s/epoch | peak MB "
-             "| accuracy | ÷ DDP median (min-max) | ÷ DDP best of N |",
+    """The table: measured rows (each figure over the rounds, as its header says), then the others with their
+    status and reason."""
+    lines = ["| model | data | method | precision | processes | samples/s median (min-max) | s/epoch median "
+             "| peak MB max | accuracy median | ÷ DDP median (min-max) | ÷ DDP best of N |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["samples_per_second"] is None:
@@ -365,7 +366,7 @@ def plot(rows, output_dir: Path):
                             label=f"{method} {precision}")
         ax.set_xticks(sorted({r["num_processes"] for r in here}))
         ax.set_xlabel("processes (GPUs for DataParallel)")
-        ax.set_ylabel("training samples/s, all processes")
+        ax.set_ylabel("training samples/s, all processes (median)")
         ax.set_title(f"{model}, {data_path}", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
