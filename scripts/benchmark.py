@@ -128,7 +128,7 @@ def parse_args(argv=None):
 
 
 def skip_reason(combo, on_cpu: bool, num_gpus: int):
-    """Why this machine cannot run `combo`, or None."""
+    """Why `combo` is skipped: this machine cannot run it, or it means nothing; None to run it."""
     if combo.method == "plain" and combo.num_processes > 1:
         return "plain PyTorch is one process"
     if combo.method == "dataparallel":

@@ -341,7 +341,7 @@ def main(args):
         results["train_loss"] = (totals[0] / totals[1]).item()
 
     if eval_dataset is not None:
-        results.update(evaluate(method, model, eval_dataset))
+        results.update(evaluate(method, model, eval_dataset))  # every process: it reduces
         logger.info(f"eval_accuracy {results['eval_accuracy']:.4f} ({results['eval_samples']} samples)")
     write_results(method, meter, results, args, num_classes)  # every process: it gathers
     # Release the DDP model first: ending the group then stops gloo's threads before Python exits
@@ -351,7 +351,8 @@ def main(args):
 
 
 def evaluate(method, model, eval_dataset):
-    """Exact accuracy and loss: each process takes an unpadded strided shard, sums are reduced."""
+    """Exact accuracy and loss; every process calls it: each takes an unpadded strided shard, the sums are
+    reduced over processes."""
     module = getattr(model, "module", model)  # inside DDP/DataParallel: its forward is no collective
     module = getattr(module, "_orig_mod", module)  # inside torch.compile
     method.broadcast_buffers(module)
