@@ -8,33 +8,35 @@
 Every combination of --models x --data_paths x --methods x --precisions x --num_processes runs
 as its own subprocess, launched the way users launch it (python, torchrun, accelerate launch).
 The combinations run interleaved, in a new order in each of --repeats rounds, so that a slow
-minute on a shared machine hurts every method alike; each figure is the median over rounds.
-Combinations this machine cannot run (fp16 on a CPU, DataParallel without 2 GPUs, more
-processes than GPUs) are reported as skipped, with the reason.
+minute on a shared machine hurts every method alike. Combinations this machine cannot run
+(fp16 on a CPU, DataParallel without 2 GPUs, more processes than GPUs) or that mean nothing
+(plain PyTorch on several processes, DataParallel on one GPU) are reported as skipped, with
+the reason.
 
 What runs: MNIST with the DataLoader is timed with the scripts users copy, as they are
 (scripts/train_mnist.py and scripts/baselines/*_mnist.py); ResNets on synthetic images and
 the on-device fast path (--data_paths device) run scripts/benchmark_train.py, one loop that
 differs between methods only where the methods differ.
 
-Reported per combination: steady-state training samples/s of all processes together (the
-first 10 batches of each process are warm-up and excluded), time per epoch, peak memory of
-the largest process (GPU: max allocated; CPU: max resident set), final eval accuracy where
-the data is real, and the ratio of samples/s to raw DDP in the same setting (median over
-rounds of the per-round ratio). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with
-the machine, versions, the command and every single run), benchmark.md (the table in
-Markdown), throughput.png, scaling.png.
+Reported per combination, over its rounds: steady-state training samples/s of all processes
+together (the first 10 batches of each process are warm-up and excluded; a run with none past
+them fails), median, min and max; time per epoch (warm-up included), median; peak memory of the
+largest process (GPU: max allocated; CPU: max resident set), the maximum; final eval accuracy
+where the data is real, median; and samples/s over raw DDP's in the same setting, both as the
+median, min and max of the per-round ratios and as best of N (the fastest round over DDP's
+fastest). Written to OUTPUT_DIR: benchmark.csv, benchmark.json (with the machine, versions,
+the command and every single run), benchmark.md (the table in Markdown), throughput.png,
+scaling.png.
 """
 
 import argparse
-import csv
 import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,14 +44,14 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.benchmarking import machine_facts, portable_command, portable_path, summarize  # noqa: E402
+from utils.benchmarking import (  # noqa: E402
+    METHODS, PRECISIONS, Combination, combination_of, machine_facts, portable_command, portable_path, write_report,
+)
 from utils.data import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, positive_int  # noqa: E402
-from utils.results import create_output_dir, write_json_atomically  # noqa: E402
+from utils.results import create_output_dir  # noqa: E402
 
-METHODS = ("plain", "ddp", "dataparallel", "accelerate")
-PRECISIONS = {"fp32": "no", "fp16": "fp16", "bf16": "bf16"}  # our names -> --mixed_precision
 MODELS = ("mnist", "resnet18", "resnet50")
 DATA_PATHS = ("dataloader", "device")
 MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
@@ -59,13 +61,7 @@ MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
     "accelerate": REPO / "scripts" / "train_mnist.py",
 }
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
-CSV_COLUMNS = (
-    "model", "data_path", "method", "precision", "num_processes", "status", "reason", "runs",
-    "samples_per_second", "samples_per_second_min", "samples_per_second_max", "time_per_epoch_s",
-    "peak_memory_mb", "eval_accuracy", "eval_samples", "ratio_to_ddp", "ratio_to_ddp_min", "ratio_to_ddp_max",
-    "ratio_to_ddp_best", "command",
-)
-# --quick: small enough for CI on 2 CPU cores, large enough for steady state after warm-up.
+# --quick: small enough for CI on 2 CPU cores, large enough for steady state after the warm-up (1 or 2 processes).
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
              image_size=32, synthetic_samples=512)
 FULL = dict(epochs=3, batch_size=64, max_train_samples=None, max_eval_samples=None, repeats=3,
@@ -119,11 +115,11 @@ def parse_args(argv=None):
     train.add_argument("--compile", action="store_true", help="ResNets and the fast path: torch.compile")
 
     out = parser.add_argument_group("output")
-    out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, benchmark.json, *.png")
+    out.add_argument("--output_dir", default="outputs/benchmark", help="benchmark.csv, .json and .md, *.png")
     out.add_argument("--timeout", type=positive_int, default=1800, help="seconds one run may take")
     out.add_argument("--rewrite_from", default=None, metavar="BENCHMARK_JSON",
-                     help="run nothing: rebuild the table, CSV and plots in --output_dir from the runs in a "
-                          "benchmark.json")
+                     help="run nothing: rebuild benchmark.csv, .json and .md and the plots in --output_dir from "
+                          "the runs in a benchmark.json")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
         if getattr(args, name) is None:
@@ -131,29 +127,8 @@ def parse_args(argv=None):
     return args
 
 
-@dataclass(frozen=True)
-class Combination:
-    model: str
-    data_path: str
-    method: str
-    precision: str
-    num_processes: int
-
-    def label(self):
-        return f"{self.model}/{self.data_path}/{self.method}/{self.precision}/{self.num_processes}p"
-
-    def baseline(self):
-        """Raw DDP in the same setting: the reference every ratio is taken against."""
-        return Combination(self.model, self.data_path, "ddp", self.precision, self.num_processes)
-
-
-def combination_of(record: dict) -> Combination:
-    """The combination a row or run record (CSV, JSON) is about."""
-    return Combination(*(record[name] for name in ("model", "data_path", "method", "precision", "num_processes")))
-
-
 def skip_reason(combo, on_cpu: bool, num_gpus: int):
-    """Why this machine cannot run `combo`, or None."""
+    """Why `combo` is skipped: this machine cannot run it, or it means nothing; None to run it."""
     if combo.method == "plain" and combo.num_processes > 1:
         return "plain PyTorch is one process"
     if combo.method == "dataparallel":
@@ -252,6 +227,10 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
     mismatch = ran_as_asked(combo, results)
     if mismatch:
         return {**record, "status": "failed", "reason": mismatch}
+    if results["train_samples_per_second"] is None or results.get("train_samples_per_second_over") == "all_batches":
+        # No steady state: train_mnist.py then gives the rate over all batches, the baselines none.
+        return {**record, "status": "failed", "reason": "no steady state: no process trained past the 10 warm-up "
+                "batches; give each more (--max_train_samples, --synthetic_samples, --batch_size)"}
     return {
         **record, "status": "ok", "reason": "",
         "samples_per_second": results["train_samples_per_second"],
@@ -261,159 +240,6 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
         "eval_samples": results.get("eval_samples") if combo.model == "mnist" else None,
         "train_loss": results.get("train_loss"),  # compared across methods by the tests: the same training
     }
-
-
-def summarize_combination(combo, runs_by_round, skipped_reason):
-    """One table row from all rounds of one combination."""
-    row = {column: None for column in CSV_COLUMNS}
-    row.update(asdict(combo), status="skipped", reason=skipped_reason or "", runs=0, command="")
-    if skipped_reason:
-        return row
-    mine = [runs[combo] for runs in runs_by_round if combo in runs]
-    ok = [r for r in mine if r["status"] == "ok"]
-    row["command"] = mine[0]["command"] if mine else ""
-    row["runs"] = len(ok)
-    if not ok:
-        row.update(status="failed", reason=mine[-1]["reason"] if mine else "")
-        return row
-    row["status"] = "ok" if len(ok) == len(mine) else "partly failed"
-    row["reason"] = "" if len(ok) == len(mine) else next(r["reason"] for r in mine if r["status"] != "ok")
-    speed = summarize(r["samples_per_second"] for r in ok)
-    row.update(samples_per_second=speed["median"], samples_per_second_min=speed["min"],
-               samples_per_second_max=speed["max"])
-    row["time_per_epoch_s"] = summarize(r["time_per_epoch_s"] for r in ok)["median"]
-    row["peak_memory_mb"] = max(r["peak_memory_mb"] for r in ok)
-    row["eval_accuracy"] = summarize(r["eval_accuracy"] for r in ok)["median"]
-    row["eval_samples"] = ok[0]["eval_samples"]
-    # The ratio to DDP is taken within each round, then the median over rounds: both runs of a
-    # pair saw the machine in the same state.
-    ratios = []
-    for runs in runs_by_round:
-        mine_now, ddp_now = runs.get(combo), runs.get(combo.baseline())
-        if mine_now and ddp_now and mine_now["status"] == ddp_now["status"] == "ok" and ddp_now["samples_per_second"]:
-            ratios.append(mine_now["samples_per_second"] / ddp_now["samples_per_second"])
-    ratio = summarize(ratios)
-    row.update(ratio_to_ddp=ratio["median"], ratio_to_ddp_min=ratio["min"], ratio_to_ddp_max=ratio["max"])
-    # Best of N against best of N: other work on the machine only ever slows a run down, so
-    # the fastest repeat is the least disturbed one (timeit reports its minimum for this reason).
-    ddp_ok = [runs[combo.baseline()] for runs in runs_by_round
-              if combo.baseline() in runs and runs[combo.baseline()]["status"] == "ok"]
-    if ddp_ok:
-        row["ratio_to_ddp_best"] = speed["max"] / max(r["samples_per_second"] for r in ddp_ok)
-    return row
-
-
-def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_COLUMNS})
-
-
-def write_markdown(path, rows):
-    """The table as the README shows it: measured rows, then the skipped ones with their reasons."""
-    def fmt(value, spec):
-        return format(value, spec) if value is not None else "-"
-
-    lines = ["| model | data | method | precision | processes | samples/s median (min-max) | s/epoch | peak MB "
-             "| accuracy | ÷ DDP median (min-max) | ÷ DDP best of N |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if r["samples_per_second"] is None:
-            continue
-        ratio = (f"{fmt(r['ratio_to_ddp'], '.3f')} "
-                 f"({fmt(r['ratio_to_ddp_min'], '.2f')}-{fmt(r['ratio_to_ddp_max'], '.2f')})")
-        lines.append(
-            f"| {r['model']} | {r['data_path']} | {r['method']} | {r['precision']} | {r['num_processes']} "
-            f"| {r['samples_per_second']:.0f} ({r['samples_per_second_min']:.0f}-{r['samples_per_second_max']:.0f}) "
-            f"| {fmt(r['time_per_epoch_s'], '.2f')} | {fmt(r['peak_memory_mb'], '.0f')} "
-            f"| {fmt(r['eval_accuracy'], '.4f')} | {ratio} "
-            f"| {fmt(r['ratio_to_ddp_best'], '.3f')} |"
-        )
-    not_measured = [r for r in rows if r["samples_per_second"] is None]
-    if not_measured:
-        lines += ["", "Not measured:", ""]
-        lines += [f"- {combination_of(r).label()}: {r['status']}, {r['reason']}" for r in not_measured]
-    Path(path).write_text("\n".join(lines) + "\n")
-
-
-def save_figure(fig, axes, panels, path: Path) -> None:
-    """Write one plot; without measured rows it says so instead of showing empty axes."""
-    import matplotlib.pyplot as plt
-
-    if not panels:
-        axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def plot(rows, output_dir: Path):
-    """throughput.png: samples/s by method and precision; scaling.png: by process count."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in rows if r["samples_per_second"] is not None]
-    colors = {method: f"C{i}" for i, method in enumerate(METHODS)}
-
-    # Throughput: one panel per model, data path and process count; bars grouped by precision.
-    panels = sorted({(r["model"], r["data_path"], r["num_processes"]) for r in measured})
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.5 * max(1, len(panels)), 4), squeeze=False)
-    for ax, (model, data_path, n) in zip(axes[0], panels):
-        here = [r for r in measured if (r["model"], r["data_path"], r["num_processes"]) == (model, data_path, n)]
-        precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in here)]
-        methods = [m for m in METHODS if any(r["method"] == m for r in here)]
-        width = 0.8 / len(methods)
-        for j, method in enumerate(methods):
-            for i, precision in enumerate(precisions):
-                row = next((r for r in here if (r["method"], r["precision"]) == (method, precision)), None)
-                if row is None:
-                    continue
-                x = i + (j - (len(methods) - 1) / 2) * width
-                error = [[row["samples_per_second"] - row["samples_per_second_min"]],
-                         [row["samples_per_second_max"] - row["samples_per_second"]]]
-                ax.bar(x, row["samples_per_second"], width, yerr=error, color=colors[method],
-                       label=method if i == 0 else None, capsize=2)
-        ax.set_xticks(range(len(precisions)), precisions)
-        ax.set_title(f"{model}, {data_path}, {n} process{'es' if n > 1 else ''}", fontsize=10)
-        ax.set_ylabel("training samples/s (median, min-max)")
-        ax.legend(fontsize=8)
-    save_figure(fig, axes, panels, output_dir / "throughput.png")
-
-    # Scaling: one panel per model and data path; a line per method and precision.
-    panels = sorted({(r["model"], r["data_path"]) for r in measured})
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5 * max(1, len(panels)), 4), squeeze=False)
-    for ax, (model, data_path) in zip(axes[0], panels):
-        here = [r for r in measured if (r["model"], r["data_path"]) == (model, data_path)]
-        for method in METHODS:
-            for k, precision in enumerate(PRECISIONS):
-                line = sorted((r["num_processes"], r["samples_per_second"]) for r in here
-                              if (r["method"], r["precision"]) == (method, precision))
-                if line:
-                    ax.plot(*zip(*line), marker="os^"[k], linestyle=["-", "--", ":"][k], color=colors[method],
-                            label=f"{method} {precision}")
-        ax.set_xticks(sorted({r["num_processes"] for r in here}))
-        ax.set_xlabel("processes (GPUs for DataParallel)")
-        ax.set_ylabel("training samples/s, all processes")
-        ax.set_title(f"{model}, {data_path}", fontsize=10)
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
-    save_figure(fig, axes, panels, output_dir / "scaling.png")
-
-
-def print_table(rows):
-    print(f"{'combination':<40} {'status':<8} {'samples/s':>10} {'s/epoch':>8} {'MB':>7} {'acc':>7} {'÷ddp':>6}")
-    for r in rows:
-        def fmt(value, spec):
-            return format(value, spec) if value is not None else "-"
-        label = combination_of(r).label()
-        print(f"{label:<40} {r['status']:<8} {fmt(r.get('samples_per_second'), '10.0f')} "
-              f"{fmt(r.get('time_per_epoch_s'), '8.2f')} {fmt(r.get('peak_memory_mb'), '7.0f')} "
-              f"{fmt(r.get('eval_accuracy'), '7.4f')} {fmt(r.get('ratio_to_ddp'), '6.3f')}"
-              + (f"  ({r['reason']})" if r["reason"] else ""))
 
 
 def rewrite(args):
@@ -428,14 +254,8 @@ def rewrite(args):
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise UserError(f"--rewrite_from {args.rewrite_from}: not a benchmark.json written by this script "
                         f"({type(err).__name__})") from None
-    rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
-    output_dir = Path(args.output_dir)
-    create_output_dir(output_dir)
-    write_csv(output_dir / "benchmark.csv", rows)
-    write_markdown(output_dir / "benchmark.md", rows)
-    write_json_atomically(output_dir / "benchmark.json", {**report, "rows": rows})
-    plot(rows, output_dir)
-    print_table(rows)
+    create_output_dir(Path(args.output_dir))
+    write_report(Path(args.output_dir), report, combinations, skipped, runs_by_round)
 
 
 def main(args):
@@ -476,20 +296,13 @@ def main(args):
                 progress.update(1)
             runs_by_round.append(runs)
 
-    rows = [summarize_combination(c, runs_by_round, skipped[c]) for c in combinations]
-    write_csv(output_dir / "benchmark.csv", rows)
-    write_markdown(output_dir / "benchmark.md", rows)
-    write_json_atomically(output_dir / "benchmark.json", {
+    rows = write_report(output_dir, {
         "command": portable_command(["python", *sys.argv], REPO),  # as typed, in the folder it was started in
         "machine": {**machine_facts(), "load_average_1min_before": load_before},
         "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
         "threads_per_process": "cores / processes (OMP_NUM_THREADS)" if on_cpu else None,
         "settings": {k: portable_path(v, REPO) if isinstance(v, str) else v for k, v in vars(args).items()},
-        "rows": rows,
-        "runs": [run for runs in runs_by_round for run in runs.values()],
-    })
-    plot(rows, output_dir)
-    print_table(rows)
+    }, combinations, skipped, runs_by_round)
     print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, benchmark.md, throughput.png, scaling.png")
     failed = [r for r in rows if r["status"] in ("failed", "partly failed")]
     if failed:
