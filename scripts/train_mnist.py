@@ -119,13 +119,14 @@ def main(args):
     check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
-        # --report_to: TensorBoard, MLflow, W&B (none: an empty list); project_dir: where TensorBoard writes
-        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to, project_dir=args.output_dir,
+        # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
+        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to or None,
+        project_dir=args.output_dir, gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, non_blocking=True),
         # step_scheduler_with_optimizer: we step it once per optimizer step (by default: once per process)
-        gradient_accumulation_steps=args.gradient_accumulation_steps, step_scheduler_with_optimizer=False,
+        step_scheduler_with_optimizer=False,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])  # --ddp_timeout
     # shared: after the Accelerator
     check_accelerator(accelerator)
@@ -135,6 +136,9 @@ def main(args):
     if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
         accelerator.end_training()  # [accelerate]
         return 0
+    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
+        # [accelerate] this run's process count
+        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
 
     # [accelerate] the main process downloads MNIST (without --data_dir) and loads the metric's module, then the
     # others read those caches (on each machine, unless they share a filesystem)
@@ -148,9 +152,6 @@ def main(args):
     model_input = None  # the batches are the model's input as they are (train_image_classifier normalises them)
 
     # shared: the global batch
-    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
-        # [accelerate] this run's process count
-        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
     if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args, progress if resuming else None, model_input)

@@ -39,11 +39,15 @@ def default_num_workers(most: int = 4) -> int:
     return min(most, usable_cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def positive_int(text: str) -> int:
-    value = _parse(text, int, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+def _int_at_least(text: str, minimum: int, expected: str) -> int:
+    value = _parse(text, int, expected)
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
 
 
 def positive_float(text: str) -> float:
@@ -54,10 +58,7 @@ def positive_float(text: str) -> float:
 
 
 def non_negative_int(text: str) -> int:
-    value = _parse(text, int, "a whole number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0, "a whole number >= 0")
 
 
 def non_negative_float(text: str) -> float:
