@@ -52,6 +52,8 @@ def test_help_imports_nothing_that_only_a_run_needs_and_is_fast():
         if seconds > LIMIT * baseline:  # a busy machine? the better of two runs decides
             seconds = min(seconds, help_run(script)[1])
         heavy[name], slow[name] = run_only_modules(modules), round(seconds / baseline, 2)
+        if name == "sweep.py":  # it only starts other scripts: not even torch
+            assert "torch" not in modules
     assert {name: found for name, found in heavy.items() if found} == {}
     assert {name: ratio for name, ratio in slow.items() if ratio > LIMIT} == {}, \
         f"--help slower than {LIMIT} x import torch, accelerate ({baseline:.2f} s of CPU); all: {slow}"

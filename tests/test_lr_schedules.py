@@ -11,7 +11,8 @@ import torch
 from helpers import REPO, launch, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
-from utils.optim import LR_SCHEDULER_TYPES, build_lr_scheduler
+from utils.flags import LR_SCHEDULER_TYPES
+from utils.optim import build_lr_scheduler
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PEAK, TOTAL = 0.5, 40

@@ -10,7 +10,6 @@ import os
 from pathlib import Path
 
 from utils.errors import exit_with_error
-from utils.optim import LR_SCHEDULER_TYPES
 
 # The trackers the scripts offer (Accelerate supports more); each is named as the package it needs.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
@@ -173,6 +172,10 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
         help="torch.profiler trace of a few steady-state steps per process into OUTPUT_DIR/profile",
     )
     return parser
+
+
+# utils/optim.py builds them; named here so that the scripts that only parse flags (sweep.py) need no torch
+LR_SCHEDULER_TYPES = ("cosine", "linear", "constant_with_warmup", "onecycle", "step")
 
 
 def add_lr_scheduler_flags(parser: ArgumentParser, lr_scheduler_type: str, warmup_epochs=None) -> None:

@@ -15,7 +15,6 @@ def build_optimizer(model, name: str, learning_rate: float, weight_decay: float,
     return torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
 
 
-LR_SCHEDULER_TYPES = ("cosine", "linear", "constant_with_warmup", "onecycle", "step")
 ONECYCLE_DEFAULT_WARMUP = 0.15  # of the run: OneCycleLR's pct_start, the MNIST recipe
 
 
