@@ -160,6 +160,7 @@ def test_every_process_holds_the_same_average_updated_once_per_optimizer_step(wi
     assert "averages over about" not in log  # no warning: the warmup suits a 20-step run
     # every checkpoint holds the average, and every file is documented; no log line names a temporary folder
     assert all((out / name / EMA_CHECKPOINT_FILE).is_file() for name in ("step_7", "step_14"))
+    assert EMA_CHECKPOINT_FILE in read_json(out / "step_7" / "manifest.json")["files"]  # checked on a resume
     written = sorted(path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file())
     patterns = documented_files()  # the doc's rows for epoch_N/ files are those of step_N/ too
     as_documented = [re.sub(r"^step_(\d+)/", r"epoch_\1/", name) for name in written]
