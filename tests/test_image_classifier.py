@@ -111,7 +111,7 @@ def test_with_tracking_writes_tensorboard_scalars(trained_split_1proc):
     accuracy = accumulator.Scalars("eval_accuracy")
     assert [e.step for e in accuracy] == [15, 30]
     assert accuracy[-1].value == pytest.approx(results(trained_split_1proc)["eval_accuracy"])
-    assert accumulator.Scalars("learning_rate")[-1].value == pytest.approx(0.0, abs=1e-9)  # cosine ends at 0
+    assert accumulator.Scalars("current_learning_rate")[-1].value == pytest.approx(0.0, abs=1e-9)  # cosine ends at 0
 
 
 def test_single_folder_layout_two_processes_learn_with_identical_replicas(trained_flat_2proc):
