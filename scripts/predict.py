@@ -31,6 +31,7 @@ from utils.flags import ArgumentParser, default_num_workers, positive_int  # noq
 from utils.image_data import autocast_dtype, normalise_on_device  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.predictions import (  # noqa: E402
+    WEIGHT_FILES,
     WholeBatches,
     build_trained_model,
     predictions_csv,
@@ -45,6 +46,9 @@ def parse_args(argv=None):
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model_dir", type=Path, required=True,
                         help="a training run's --output_dir (or its best/): model.safetensors, run.json, results.json")
+    parser.add_argument("--weights", choices=sorted(WEIGHT_FILES), default="model",
+                        help="model: model.safetensors, the trained weights; ema: model_ema.safetensors, the moving "
+                             "average of a --model_ema run")
     data = parser.add_argument_group("inputs (MNIST runs: --data_dir with the IDX files, or neither for ylecun/mnist)")
     source = data.add_mutually_exclusive_group()
     source.add_argument("--data_dir", help="MNIST IDX files; an image folder (DIR/<class>/*, DIR/train|val/<class>/*); "
@@ -72,7 +76,8 @@ def parse_args(argv=None):
                           "(MNIST: N, 1, 28, 28) resized as the run's evaluation does, normalised inside the model; "
                           "output 'logits'; dynamic batch; checked with onnxruntime on the first --batch_size inputs "
                           "(pip install -r requirements-export.txt)")
-    out.add_argument("--export_file", type=Path, default=None, help="default: MODEL_DIR/model.onnx")
+    out.add_argument("--export_file", type=Path, default=None,
+                     help="default: MODEL_DIR/model.onnx (model_ema.onnx with --weights ema)")
     hardware = parser.add_argument_group("hardware")
     hardware.add_argument("--batch_size", type=positive_int, default=64, help="per process")
     hardware.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
@@ -97,7 +102,7 @@ def export(model, trained, batches, description, args):
     if not images:
         raise UserError(f"none of the first {len(examples)} inputs can be decoded, so the export cannot be checked; "
                         f"point --data_dir at readable images")
-    path = args.export_file or trained.folder / "model.onnx"
+    path = args.export_file or trained.folder / Path(trained.weights).with_suffix(".onnx").name
     normalise = normalise_mnist if trained.is_mnist else normalise_on_device
     difference = export_onnx(model, normalise, torch.stack(images), path, trained.class_names)
     print(f"Wrote {path}: uint8 images in, normalised inside, logits out, any batch size; on {len(images)} real "
@@ -106,7 +111,8 @@ def export(model, trained, batches, description, args):
 
 def main(args):
     check_enough_devices(args.cpu)
-    trained = read_trained_run(args.model_dir)  # the run's records: a missing or mismatched folder stops here
+    # the run's records, and --weights: a missing or mismatched folder stops here
+    trained = read_trained_run(args.model_dir, WEIGHT_FILES[args.weights])
     if args.output_file is not None:
         check_writable_file(args.output_file, "--output_file")  # before the work, not after it
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision

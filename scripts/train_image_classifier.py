@@ -48,9 +48,11 @@ from utils.checkpoints import (  # noqa: E402
     step_checkpoint_due,
 )
 from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
+from utils.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import (  # noqa: E402
     add_lr_scheduler_flags,
+    add_model_ema_flags,
     build_parser,
     check_flag_combinations,
     default_num_workers,
@@ -90,6 +92,7 @@ def parse_args(argv=None):
     parser = build_parser(__doc__.splitlines()[0], epochs=10, batch_size=64, learning_rate=0.1)
     parser.set_defaults(learning_rate=None)  # depends on --optimizer, see DEFAULT_LEARNING_RATE
     add_lr_scheduler_flags(parser, lr_scheduler_type="cosine", warmup_epochs=1.0)
+    add_model_ema_flags(parser)
 
     data = parser.add_argument_group("image data (one of --data_dir, --dataset)")
     source = data.add_mutually_exclusive_group(required=True)
@@ -180,6 +183,9 @@ def describe_run(args) -> dict:
         "weight_decay": args.weight_decay, "label_smoothing": args.label_smoothing,
         "lr_scheduler_type": args.lr_scheduler_type, "warmup_steps": args.warmup_steps,
         "warmup_epochs": args.warmup_epochs,
+        # --model_ema: its average is part of the run (and of its checkpoints); no keys without it
+        **({"model_ema_decay": args.model_ema_decay, "model_ema_warmup": args.model_ema_warmup}
+           if args.model_ema else {}),
     }
 
 
@@ -241,8 +247,9 @@ def describe_model(args, accelerator, model, class_names, train_size: int) -> di
     }
 
 
-def evaluate(accelerator, model, dataloader, metric, model_input):
-    """Top-1/top-5 accuracy and mean loss over exactly the eval set, whatever the number of processes."""
+def evaluate(accelerator, model, dataloader, metric, model_input, ema=None):
+    """Top-1/top-5 accuracy and mean loss over exactly the eval set, whatever the number of processes; with
+    --model_ema also those of the moving average `ema`, evaluated the same way, as eval_ema_accuracy, ..."""
     model.eval()
     per_sample_losses = []
     for images, labels in dataloader:
@@ -257,12 +264,14 @@ def evaluate(accelerator, model, dataloader, metric, model_input):
         per_sample_losses.append(losses)
     losses = torch.cat(per_sample_losses).double()
     scores = metric.compute()
-    return {
+    scores = {
         "eval_accuracy": scores["accuracy"],
         "eval_top5_accuracy": scores["top_k_accuracy"],  # k = min(5, number of classes)
         "eval_loss": losses.mean().item(),
         "eval_samples": losses.numel(),
     }
+    # [collective] --model_ema: this evaluation of the moving average too (utils/ema.py)
+    return scores | evaluate_model_ema(accelerator, ema, evaluate, dataloader, metric, model_input)
 
 
 def main(args):
@@ -335,10 +344,9 @@ def main(args):
         train_dataloader, eval_dataloader, model, optimizer, lr_scheduler)
 
     # shared: resume, then the first write
+    # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
+    ema = build_model_ema(accelerator, model, checkpoint, args, max_steps)  # and loaded from one (utils/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
-    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
-    # always saved at the end of a cycle, so the next one starts afresh
-    accelerator.step = 0
     if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
@@ -350,7 +358,8 @@ def main(args):
     progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler:
+    # the progress bar is closed when training ends, also by an error
+    with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler, progress_bar:
         for epoch in epochs_to_train(accelerator, progress, args):  # [collective] --early_stopping_patience
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
@@ -374,6 +383,7 @@ def main(args):
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
                     if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # [accelerate]
                         lr_scheduler.step()
+                        update_model_ema(ema)  # --model_ema: the average takes in the new weights
                     optimizer.zero_grad()
                 # shared: after each batch
                 running_loss.add(loss, len(labels), step=progress.global_step + 1)
@@ -403,17 +413,16 @@ def main(args):
             # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
             results.update(train_loss=progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
                            lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
-                           **evaluate(accelerator, model, eval_dataloader, metric, model_input))
+                           **evaluate(accelerator, model, eval_dataloader, metric, model_input, ema))
             logger.info(f"epoch {epoch}: {results}")
             accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate] to every tracker
-            save_if_best(accelerator, model, progress, results, epoch, args)  # [collective] --metric_for_best
+            save_if_best(accelerator, model, progress, results, epoch, args, ema)  # [collective] --metric_for_best
             if args.checkpointing_steps == "epoch":
-                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress,  # [collective]
-                                args.checkpoints_total_limit)
-    progress_bar.close()
+                # [collective] every process writes its part
+                save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
 
     if args.eval_only:
-        results.update(evaluate(accelerator, model, eval_dataloader, metric, model_input))  # [collective]
+        results.update(evaluate(accelerator, model, eval_dataloader, metric, model_input, ema))  # [collective]
     results.update(describe_model(args, accelerator, model, class_names, len(train_dataset)))
     # shared: the end
     if not stopping:
@@ -423,6 +432,7 @@ def main(args):
         else:  # the plain model's weights
             # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
+            results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             report_run(accelerator, model, meter, progress, args, results, checkpoint)  # [collective] results.json
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")

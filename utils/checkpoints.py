@@ -30,6 +30,7 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file
 
+from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
 from utils.results import EVAL_RESULTS, RUN_RECORD, create_output_dir, read_run_record, write_json_atomically
@@ -40,7 +41,7 @@ BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
 # What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
-RUN_FILES = ("model.safetensors", RUN_RECORD, "results.json", EVAL_RESULTS)
+RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, "results.json", EVAL_RESULTS)
 logger = get_logger(__name__)
 
 
@@ -49,9 +50,9 @@ class AccelerateSaveLines(logging.Filter):
     temporary folder, renamed a moment later (save_checkpoint then logs one line for the final folder), and
     names sampler.bin, which it writes only for iterable datasets; save_model names pytorch_model.bin when it
     wrote model.safetensors. Those lines are dropped, or pointed at the file that was written; warnings and
-    errors always pass."""
+    errors always pass. (The objects registered for checkpointing, --model_ema's average, get a line each too.)"""
 
-    SAVED = re.compile(r"^(.* (?:saved in|Saving current state to) )(\S+)$")
+    SAVED = re.compile(r"^(.* (?:saved in|Saving current state to|Saving the state of \S+ to) )(\S+)$")
 
     def filter(self, record: logging.LogRecord) -> bool:
         match = self.SAVED.match(record.getMessage()) if record.levelno < logging.WARNING else None
@@ -323,7 +324,8 @@ def stop_if_any_failed(accelerator, failure, output_dir: Path, tmp: Path) -> Non
 
 def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, args) -> None:
     """Collective: `accelerator.load_state` (every process reads the weights, optimizer, scheduler,
-    GradScaler and its own RNG states), with one clear line when the folder does not fit the run.
+    GradScaler, the objects registered for checkpointing (--model_ema's average) and its own RNG states), with
+    one clear line when the folder does not fit the run.
     The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
     if checkpoint is None:
@@ -342,6 +344,9 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
                                  options=StateDictOptions(full_state_dict=True))
         else:
             accelerator.load_state(str(checkpoint))
+            # load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+            # always saved at the end of a cycle, so the next one starts afresh
+            accelerator.step = 0
     except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
         raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
                         f"another model") from None
@@ -349,17 +354,22 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
                 f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
 
 
-def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, epoch: int, args) -> bool:
+def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, epoch: int, args, ema=None) -> bool:
     """--metric_for_best, after epoch `epoch`'s evaluation: when `results` beat the best so far, record them in
     `progress` and write the plain weights (as the final model.safetensors) and the progress to OUTPUT_DIR/best,
-    atomically. Collective when it saves (gathers FSDP shards); `results` are the same on every process."""
+    atomically. The weights are those the metric measured: for eval_ema_accuracy or eval_ema_loss, --model_ema's
+    average `ema` (as best/model.safetensors all the same, so that best/ is used as it always is). Collective when
+    it saves (gathers FSDP shards); `results` are the same on every process."""
     if args.metric_for_best is None:
         return False
     value, best = results[args.metric_for_best], progress.best_metric
     if best is not None and not (value > best if HIGHER_IS_BETTER[args.metric_for_best] else value < best):
         return False
     progress.best_epoch, progress.best_metric = epoch, value
-    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+    if args.metric_for_best.startswith("eval_ema_"):
+        plain_model = ema.module
+    else:
+        plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     saved = save_checkpoint(accelerator, args.output_dir, BEST, progress,
                             write_into=lambda folder: accelerator.save_model(plain_model, folder))
     logger.info(f"epoch {epoch}: best {args.metric_for_best} so far ({value:.4f}), saved to {saved}",

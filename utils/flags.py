@@ -11,9 +11,12 @@ from pathlib import Path
 
 from utils.errors import exit_with_error
 
+DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's value means the same here
+
 # The trackers the scripts offer (Accelerate supports more); each is named as the package it needs.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-HIGHER_IS_BETTER = {"eval_accuracy": True, "eval_loss": False}  # --metric_for_best: which way is better
+# --metric_for_best: which way is better (eval_ema_*: --model_ema's average, utils/ema.py)
+HIGHER_IS_BETTER = {"eval_accuracy": True, "eval_loss": False, "eval_ema_accuracy": True, "eval_ema_loss": False}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -75,6 +78,13 @@ def seed(text: str) -> int:
     return value
 
 
+def ema_decay(text: str) -> float:
+    value = _parse(text, float, "a number between 0 and 1")
+    if not 0 < value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a decay between 0 and 1 (exclusive), got {text}")
+    return value
+
+
 def checkpointing_steps(text: str):
     """'epoch' or a positive number of optimizer steps."""
     if text == "epoch":
@@ -131,8 +141,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     out.add_argument(
         "--overwrite_output_dir", action="store_true",
         help="start afresh in an --output_dir that holds another run's checkpoints (without it the run stops): first "
-             "delete its checkpoint folders, best/, model.safetensors, run.json, results.json and eval_results.json "
-             "(other files stay), so 'latest' can never pick them up",
+             "delete its checkpoint folders, best/, model.safetensors, model_ema.safetensors, run.json, results.json "
+             "and eval_results.json (other files stay), so 'latest' can never pick them up",
     )
     out.add_argument(
         "--checkpointing_steps", type=checkpointing_steps, default=None,
@@ -153,7 +163,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
                           "them to OUTPUT_DIR/eval_results.json (results.json stays the training run's)")
     out.add_argument(
         "--metric_for_best", choices=sorted(HIGHER_IS_BETTER), default=None,
-        help="keep the best epoch's weights in OUTPUT_DIR/best (default eval_loss with --early_stopping_patience)",
+        help="keep the best epoch's weights in OUTPUT_DIR/best (default eval_loss with --early_stopping_patience); "
+             "eval_ema_*: the moving average's (--model_ema), kept there as model.safetensors",
     )
     out.add_argument(
         "--early_stopping_patience", type=positive_int, default=None, metavar="N",
@@ -194,6 +205,28 @@ def add_lr_scheduler_flags(parser: ArgumentParser, lr_scheduler_type: str, warmu
                         help="linear warmup over this many epochs; with neither: 15%% of the run (onecycle) or none")
 
 
+def add_model_ema_flags(parser: ArgumentParser) -> None:
+    """--model_ema, --model_ema_decay, --model_ema_warmup (timm's names and meanings), for the scripts that keep the
+    average with utils/ema.py."""
+    ema = parser.add_argument_group("moving average of the weights (utils/ema.py)")
+    ema.add_argument(
+        "--model_ema", action="store_true",
+        help="keep an exponential moving average of the weights, updated after every optimizer step, evaluated each "
+             "epoch beside them (eval_ema_accuracy, eval_ema_loss), saved in every checkpoint and at the end as "
+             "OUTPUT_DIR/model_ema.safetensors",
+    )
+    ema.add_argument(
+        "--model_ema_decay", type=ema_decay, default=None,
+        help=f"each update moves the average (1 - decay) of the way to the weights, so it spans about 1/(1 - decay) "
+             f"optimizer steps; with --model_ema {DEFAULT_EMA_DECAY} (timm's) unless given",
+    )
+    ema.add_argument(
+        "--model_ema_warmup", action="store_true",
+        help="timm's warmup of the decay: min(decay, 1 - (1 + t)^(-2/3)) at the update after t updates (0.95 at the "
+             "100th, 0.99 at the 1000th), so that the average also suits runs shorter than 1/(1 - decay) steps",
+    )
+
+
 def tracker_config(args) -> dict:
     """The run's flags as hyperparameters for the trackers, which take scalars and strings only."""
     return {k: ",".join(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v
@@ -214,6 +247,14 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
         args.warmup_epochs = None  # the script's default --warmup_epochs gives way to --warmup_steps
     if args.early_stopping_patience is not None and args.metric_for_best is None:
         args.metric_for_best = "eval_loss"  # as the HF Trainer
+    if not getattr(args, "model_ema", False):  # off, or a script without add_model_ema_flags
+        if (args.metric_for_best or "").startswith("eval_ema_"):
+            parser.error(f"--metric_for_best {args.metric_for_best} measures --model_ema's average: add --model_ema")
+        for flag in ("model_ema_decay", "model_ema_warmup"):
+            if getattr(args, flag, None):
+                parser.error(f"--{flag} sets up --model_ema's average: add --model_ema")
+    elif args.model_ema_decay is None:
+        args.model_ema_decay = DEFAULT_EMA_DECAY
     installed = [name for name in TRACKERS if importlib.util.find_spec(name)]
     if args.report_to not in (*installed, "all", "none"):
         parser.error(f"--report_to {args.report_to}: the {args.report_to} package is not installed; "

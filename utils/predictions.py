@@ -16,12 +16,14 @@ from safetensors.torch import load_file
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
 from utils.data import load_mnist
+from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError, first_line
 from utils.image_data import TransformedImages, eval_transform, load_image_datasets, load_unlabelled_images
 from utils.models import ConvNet, build_model
 from utils.results import RUN_RECORD, read_run_record
 
 WEIGHTS, RESULTS = "model.safetensors", "results.json"
+WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average
 SCRIPTS = ("train_mnist.py", "train_image_classifier.py")
 MNIST_CLASS_NAMES = [str(digit) for digit in range(10)]
 # What the image classifier's model and inputs are rebuilt from: run.json keys, then results.json keys
@@ -41,22 +43,27 @@ class TrainedRun:
     run: dict  # run.json: the script, model and recipe
     results: dict  # results.json of the run: class names, the resolved stem
     class_names: list  # class id i is class_names[i]
+    weights: str = WEIGHTS  # the file in `folder` with the weights to predict with
 
     @property
     def is_mnist(self) -> bool:
         return self.run["script"] == "train_mnist.py"
 
 
-def read_trained_run(model_dir) -> TrainedRun:
-    """The records of the run that wrote `model_dir`/model.safetensors; one clear line for each way they can be
-    missing or not belong together."""
+def read_trained_run(model_dir, weights: str = WEIGHTS) -> TrainedRun:
+    """The records of the run that wrote `model_dir`/`weights` (model.safetensors, or --model_ema's
+    model_ema.safetensors); one clear line for each way they can be missing or not belong together."""
     folder = Path(model_dir)
     fix = "point --model_dir at the --output_dir of a finished training run, or at its best/"
-    if not (folder / WEIGHTS).is_file():
-        raise UserError(f"--model_dir {folder} has no {WEIGHTS}; {fix}")
+    if weights == EMA_WEIGHTS and not (folder / weights).is_file() and (folder / WEIGHTS).is_file():
+        raise UserError(f"--model_dir {folder} has no {EMA_WEIGHTS}: its run kept no moving average (trained without "
+                        f"--model_ema), or it is a best/ folder, which holds one set of weights (the average's with "
+                        f"--metric_for_best eval_ema_*); drop --weights ema")
+    if not (folder / weights).is_file():
+        raise UserError(f"--model_dir {folder} has no {weights}; {fix}")
     run = read_run_record(folder)
     if run is None:
-        raise UserError(f"--model_dir {folder} has no {RUN_RECORD} beside {WEIGHTS}, so its model cannot be rebuilt; "
+        raise UserError(f"--model_dir {folder} has no {RUN_RECORD} beside {weights}, so its model cannot be rebuilt; "
                         f"{fix}")
     results_path = next((f / RESULTS for f in (folder, folder.parent) if (f / RESULTS).is_file()), None)
     if results_path is None:
@@ -74,13 +81,13 @@ def read_trained_run(model_dir) -> TrainedRun:
         raise UserError(f"{folder / RUN_RECORD} names the script {script!r}; predict.py rebuilds the models of "
                         f"{' and '.join(SCRIPTS)}: {fix}")
     if script == "train_mnist.py":
-        return TrainedRun(folder, run, results, MNIST_CLASS_NAMES)
+        return TrainedRun(folder, run, results, MNIST_CLASS_NAMES, weights)
     missing = [f"{RUN_RECORD}:{key}" for key in IMAGE_RUN_KEYS if key not in run] + \
               [f"{RESULTS}:{key}" for key in IMAGE_RESULT_KEYS if key not in results]
     if missing:
         raise UserError(f"--model_dir {folder}: the run's records lack {', '.join(missing)} (written by an older "
                         f"version of the training script?); train again with this version")
-    return TrainedRun(folder, run, results, results["class_names"])
+    return TrainedRun(folder, run, results, results["class_names"], weights)
 
 
 def _defining(run: dict) -> dict:
@@ -98,7 +105,7 @@ def build_trained_model(trained: TrainedRun) -> torch.nn.Module:
                             stem=trained.results["stem"] or "imagenet")
         if run["pretrained"] and hasattr(model, "transform_input"):
             model.transform_input = True  # torchvision's pretrained GoogLeNet and Inception v3 rescale their input
-    weights = trained.folder / WEIGHTS
+    weights = trained.folder / trained.weights
     try:
         model.load_state_dict(load_file(weights))
     except Exception as err:  # safetensors' own error for a damaged file, RuntimeError for names and shapes
