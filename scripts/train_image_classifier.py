@@ -228,11 +228,12 @@ def build_image_model(args, num_classes: int, device):
     return model
 
 
-def loader_options(args, device) -> dict:
-    """DataLoader options: --num_workers processes that stay up between epochs and ignore --save_on_signal's signals
-    (the training processes handle them); pinned memory for faster copies to a GPU."""
-    return {"num_workers": args.num_workers, "persistent_workers": args.num_workers > 0,
-            "pin_memory": device.type == "cuda", "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
+def loader_options(args, accelerator) -> dict:
+    """DataLoader options: --batch_size (per process); --num_workers processes that stay up between epochs and ignore
+    --save_on_signal's signals (the training processes handle them); pinned memory for faster copies to a GPU."""
+    pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
+    return {"batch_size": args.batch_size, "num_workers": args.num_workers, "persistent_workers": args.num_workers > 0,
+            "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
 
 
 def describe_model(args, accelerator, model, class_names, train_size: int) -> dict:
@@ -329,10 +330,10 @@ def main(args):
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    options = loader_options(args, accelerator.device)  # [accelerate] the device: pinned memory for a GPU
-    # drop_last: a last batch of one image would break BatchNorm in training
-    train_dataloader = DataLoader(train_dataset, args.batch_size, shuffle=True, drop_last=True, **options)
-    eval_dataloader = DataLoader(eval_dataset, args.batch_size, **options)
+    # drop_last: a last batch of one image would break BatchNorm in training. loader_options: --batch_size (per
+    # process), --num_workers, pinned memory for a GPU
+    train_dataloader = DataLoader(train_dataset, shuffle=True, drop_last=True, **loader_options(args, accelerator))
+    eval_dataloader = DataLoader(eval_dataset, **loader_options(args, accelerator))
     # Every epoch trains on whole global batches only, the same number on any number of processes
     # (so that a run resumed on another number keeps its schedule); the rest of the shuffle is left out.
     steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
@@ -347,6 +348,9 @@ def main(args):
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
     ema = build_model_ema(accelerator, model, checkpoint, args, max_steps)  # and loaded from one (utils/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # always saved at the end of a cycle, so the next one starts afresh
+    accelerator.step = 0
     if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters

@@ -190,6 +190,9 @@ def main(args):
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
     ema = build_model_ema(accelerator, model, checkpoint, args, max_steps)  # and loaded from one (utils/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # always saved at the end of a cycle, so the next one starts afresh
+    accelerator.step = 0
     if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters

@@ -1,9 +1,9 @@
-"""The two training scripts mark what is Accelerate and what is ours, truthfully.
+"""The two training scripts (and benchmark_train.py) mark what is Accelerate and what is ours, truthfully.
 
 - `# [accelerate]`: the statement uses Accelerate (`accelerator.…`, `Accelerator(`, a name imported from
   accelerate, an accelerate import). Every such statement carries it on one of its lines (a compound statement:
   on its header) or in the comment lines right above it; no other statement carries it, except a call on an object
-  `accelerator.prepare` returned and the torch.distributed import.
+  `accelerator.prepare` returned and the torch.distributed import. `self.accelerator` counts as `accelerator`.
 - `# [collective]`: the statement calls one of our helpers that every process must call at the same point
   (utils.COLLECTIVE_HELPERS). Every such call carries it; no other statement does.
 
@@ -22,7 +22,8 @@ from helpers import REPO, TRAIN_MNIST
 from utils import COLLECTIVE_HELPERS
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
-SCRIPTS = [TRAIN_MNIST, CLASSIFIER]
+# the two training scripts, and the benchmark's four methods side by side (its Accelerate class's calls marked)
+SCRIPTS = [TRAIN_MNIST, CLASSIFIER, REPO / "scripts" / "benchmark_train.py"]
 # Accelerator methods and accelerate functions that every process must reach together
 ACCELERATE_COLLECTIVES = {"gather", "gather_for_metrics", "reduce", "pad_across_processes", "wait_for_everyone",
                           "check_trigger", "save_state", "load_state", "save_model", "get_state_dict",
@@ -70,6 +71,12 @@ def marks(statement, comments: dict, lines: list) -> set:
     return found
 
 
+def is_accelerator(node) -> bool:
+    """`accelerator`, or an attribute of that name (`self.accelerator`)."""
+    return isinstance(node, ast.Name) and node.id == "accelerator" or \
+        isinstance(node, ast.Attribute) and node.attr == "accelerator"
+
+
 def problems(source: str) -> list:
     """Every statement whose markers do not match what it calls, as 'line N: ...'."""
     tree, comments, lines = ast.parse(source), comments_by_line(source), source.splitlines()
@@ -93,12 +100,13 @@ def problems(source: str) -> list:
         header = header_nodes(statement)
         nodes = [n for top in (header if header is not None else [statement]) for n in ast.walk(top)]
         uses_accelerate = isinstance(statement, ast.ImportFrom) and statement.module.split(".")[0] == "accelerate" or \
-            any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "accelerator"
+            any(isinstance(n, ast.Attribute) and is_accelerator(n.value)
                 or isinstance(n, ast.Name) and n.id in from_accelerate for n in nodes)
         calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr: n.func for n in nodes
                  if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
-        on_prepared = any(isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in prepared
-                          for f in calls.values())
+        # a call on what accelerator.prepare returned (a DataLoaderShard's set_epoch reaches Accelerate's sampler)
+        on_prepared = any(isinstance(f, ast.Attribute) and (isinstance(f.value, ast.Name) and f.value.id in prepared
+                                                            or f.attr == "set_epoch") for f in calls.values())
         distributed_import = isinstance(statement, ast.Import) and \
             any(alias.name.startswith("torch.distributed") for alias in statement.names)
         calls_collective_helper = any(isinstance(f, ast.Name) and name in collective for name, f in calls.items())
@@ -128,6 +136,7 @@ def test_the_check_fails_on_a_missing_or_a_wrong_marker():
     assert any("epochs_to_train" in p and "does not use Accelerate" in p for p in problems(helper_as_accelerate))
     assert any("epochs_to_train" in p and "no # [collective]" in p for p in problems(helper_as_accelerate))
     assert any("model.train()" in p for p in problems(source.replace("model.train()", "model.train()  # [collective]")))
+    assert any("self.accelerator.backward" in p for p in problems("def f(self):\n    self.accelerator.backward(x)\n"))
 
 
 def collective_functions() -> set:

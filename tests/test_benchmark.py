@@ -2,7 +2,6 @@
 skipped with its reason, and the numbers are sane. (No assertion on speed: CI machines are
 shared and noisy; the published numbers come from repeated runs on a quiet machine.)"""
 
-import ast
 import csv
 import json
 import os
@@ -15,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, assert_clean_user_error, launch_in_background, run, training_processes
+from helpers import REPO, assert_clean_user_error, code_lines, launch_in_background, run, training_processes
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
@@ -182,13 +181,6 @@ def test_a_run_without_steady_state_fails_with_the_reason_instead_of_crashing_th
 # ---------------------------------------------------------------- the scripts read like train_mnist.py
 
 
-def code_lines(source: str, function: str) -> int:
-    """Non-blank, non-comment lines of the function `function` in `source`."""
-    (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function]
-    lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
-    return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
-
-
 def file_lines(text: str) -> int:
     """As `wc -l` counts them."""
     return text.count("\n")
@@ -204,50 +196,8 @@ def test_benchmark_train_main_and_benchmark_py_stay_short():
     assert file_lines("x = 1\n" * 321) == 321
 
 
-MARKER = "# [accelerate]"
+# Its Accelerate calls are marked as in the training scripts: tests/test_accelerate_markers.py checks all three.
 
-
-def unmarked_accelerate_lines(source: str) -> list:
-    """The lines that use Accelerate (`accelerator.…`, an accelerate import, a name imported from it) whose
-    statement carries no `# [accelerate]` and sits in no block (lines up to a blank one) opened by it."""
-    tree, lines = ast.parse(source), source.splitlines()
-    imports = [n for n in ast.walk(tree)
-               if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("accelerate")
-               or isinstance(n, ast.Import) and n.names[0].name.startswith("accelerate")]
-    names = {(alias.asname or alias.name).split(".")[0] for node in imports for alias in node.names}
-    uses = {n.lineno for n in imports}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Name) and n.id in names or isinstance(n, ast.Attribute) and (
-                getattr(n.value, "id", None) == "accelerator" or getattr(n.value, "attr", None) == "accelerator"):
-            uses.add(n.lineno)
-    spans = [(n.lineno, (n.body[0].lineno - 1) if hasattr(n, "body") else n.end_lineno)
-             for n in ast.walk(tree) if isinstance(n, ast.stmt)]  # a compound statement: its header only
-    unmarked = []
-    for line in sorted(uses):
-        first, last = min((s for s in spans if s[0] <= line <= s[1]), key=lambda s: s[1] - s[0])
-        block = []  # the lines above the statement, up to a blank one
-        for above in reversed(lines[: first - 1]):
-            if not above.strip():
-                break
-            block.append(above.strip())
-        if not any(MARKER in text for text in lines[first - 1 : last]) and not any(
-                text.startswith(MARKER) for text in block):
-            unmarked.append(line)
-    return unmarked
-
-
-def test_every_accelerate_call_in_benchmark_train_is_marked():
-    assert unmarked_accelerate_lines(BENCHMARK_TRAIN.read_text()) == []
-    # The check can fail: a call without the marker; one after the blank line that ends a marked block; a call of
-    # a name imported from accelerate; a continuation line of an unmarked statement; an unmarked `if` (while the
-    # continuation of a marked statement passes).
-    imported = f"from accelerate import Accelerator  {MARKER}\n"
-    assert unmarked_accelerate_lines("x = accelerator.prepare(m)\n") == [1]
-    assert unmarked_accelerate_lines(f"{MARKER}\nx = accelerator.prepare(m)\n\ny = accelerator.gather(x)\n") == [4]
-    assert unmarked_accelerate_lines(f"from accelerate.utils import broadcast  {MARKER}\nbroadcast(x)\n") == [2]
-    assert unmarked_accelerate_lines(f"{imported}f(\n    Accelerator())\n") == [3]
-    marked_then_not = f"{imported}a = Accelerator(  {MARKER}\n    cpu=True)\nif self.accelerator.x:\n    pass\n"
-    assert unmarked_accelerate_lines(marked_then_not) == [4]
 
 # ---------------------------------------------------------------- every flag means something
 

@@ -23,8 +23,9 @@ def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=N
     Each process probes alone, on the unwrapped model (no DDP), then all agree on the smallest fitting size. With
     --sync_bn the probe is collective all the same: SyncBatchNorm all-gathers in every training forward once the
     process group exists, so a process that runs out of memory can leave the others waiting until --ddp_timeout.
-    DDP's gradient buckets (one more copy of the gradients) are not in the probe: leave that much headroom. `model_input`: what the run does to a batch on the
-    device before the model sees it (the image script normalises its uint8 images there).
+    DDP's gradient buckets (one more copy of the gradients) are not in the probe: leave that much headroom.
+    `model_input`: what the run does to a batch on the device before the model sees it (the image script
+    normalises its uint8 images there).
     """
     requested = args.batch_size
     model.to(accelerator.device)

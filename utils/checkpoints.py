@@ -344,9 +344,6 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
                                  options=StateDictOptions(full_state_dict=True))
         else:
             accelerator.load_state(str(checkpoint))
-            # load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
-            # always saved at the end of a cycle, so the next one starts afresh
-            accelerator.step = 0
     except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
         raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
                         f"another model") from None

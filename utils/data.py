@@ -95,7 +95,8 @@ def _check_split(source: str, images: torch.Tensor, labels: torch.Tensor) -> Non
     if len(labels) == 0:
         raise UserError(f"{source}: no samples; replace the files with intact MNIST files")
     if labels.min() < 0 or labels.max() > 9:
-        raise UserError(f"{source}: labels outside 0-9 (min {labels.min()}, max {labels.max()}); these are not MNIST labels")
+        raise UserError(f"{source}: labels outside 0-9 (min {labels.min()}, max {labels.max()}); these are not "
+                        f"MNIST labels")
 
 
 def load_mnist(data_dir=None) -> dict:

@@ -195,8 +195,9 @@ def decode_rgb(data: bytes) -> torch.Tensor:
 
     JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API): a third less time than
     PIL here and pixel for pixel the same (PIL uses libjpeg-turbo too). PIL reads the rest (PNG, WebP, BMP, TIFF)
-    and the photos a camera tagged as rotated, which it turns upright, as `datasets` does when it decodes. Both give rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the
-    channels-last layout in which torch's uint8 resize is fastest.
+    and the photos a camera tagged as rotated, which it turns upright, as `datasets` does when it decodes. Both give
+    rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the channels-last layout in which
+    torch's uint8 resize is fastest.
     """
     import simplejpeg
     from PIL import ExifTags, Image, ImageOps

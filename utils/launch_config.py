@@ -43,7 +43,8 @@ def check_launch_config(path) -> str:
     if processes < 1 or machines < 1:
         problems.append(f"num_processes ({processes}) and num_machines ({machines}) must be at least 1")
     elif processes % machines:
-        problems.append(f"num_processes ({processes}) is the total over all machines: a multiple of num_machines ({machines})")
+        problems.append(f"num_processes ({processes}) is the total over all machines: a multiple of num_machines "
+                        f"({machines})")
     if not 0 <= rank < max(machines, 1):
         problems.append(f"machine_rank ({rank}) must be between 0 and num_machines - 1 ({machines - 1})")
     if kind == "NO" and processes > 1:

@@ -211,8 +211,8 @@ def use_gradient_checkpointing(model: nn.Module, name: str) -> int:
     elif isinstance(model, VisionTransformer):
         model, stages = model.encoder, ["layers"]
     else:
-        raise UserError(f"--gradient_checkpointing works on the torchvision ResNets and ViTs; --model {name} is neither: "
-                        f"drop the flag, or call torch.utils.checkpoint.checkpoint in your model's forward")
+        raise UserError(f"--gradient_checkpointing works on the torchvision ResNets and ViTs; --model {name} is "
+                        f"neither: drop the flag, or call torch.utils.checkpoint.checkpoint in your model's forward")
     for stage in stages:
         setattr(model, stage, CheckpointedBlocks(OrderedDict(getattr(model, stage).named_children())))
     return sum(len(getattr(model, stage)) for stage in stages)
