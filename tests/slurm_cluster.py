@@ -20,7 +20,6 @@ import time
 import warnings
 from pathlib import Path
 
-import pytest
 from helpers import skip_or_fail_in_ci
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")

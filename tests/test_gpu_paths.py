@@ -19,7 +19,6 @@ from helpers import (
     REPO,
     TRAIN_MNIST,
     assert_clean_user_error,
-    launch,
     launcher_args,
     make_synthetic_mnist,
     requires_mnist_10k,

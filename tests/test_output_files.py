@@ -3,7 +3,6 @@ no line about files Accelerate did not write (pytorch_model.bin, sampler.bin) or
 folder a checkpoint is written into, and no profiler ERROR line in a successful CPU run."""
 
 import re
-from pathlib import Path
 
 from helpers import REPO, launch, results
 
