@@ -380,6 +380,7 @@ def main(args):
                 with accelerator.accumulate(model), unused_parameters_named(accelerator, model, images):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
+                    # shared: the optimizer step
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
                     if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
                         # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)

@@ -217,6 +217,7 @@ def main(args):
                 with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)
+                    # shared: the optimizer step
                     accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
                     if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
                         # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
