@@ -157,3 +157,13 @@ def code_lines(source: str, function: str) -> int:
     (node,) = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef) and n.name == function]
     lines = source.splitlines()[node.lineno - 1 : node.end_lineno]
     return sum(1 for line in lines if line.strip() and not line.strip().startswith("#"))
+
+
+def load_script(path):
+    """A script imported as a module (its `if __name__ == "__main__"` block does not run): to call its parse_args."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

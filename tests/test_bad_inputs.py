@@ -1,11 +1,10 @@
 """Inputs a user can get wrong end with one `error:` line naming the input and the fix, a non-zero
 exit, no traceback through our code, and nothing written: the table grows with every case found."""
 
-import importlib.util
 import sys
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, run
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, load_script, run
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
@@ -20,14 +19,19 @@ def images(tmp_path_factory):
     return make_split_image_folder(tmp_path_factory.mktemp("bad_inputs_images"), train_per_class=8, val_per_class=2)
 
 
-def load_script(path):
-    spec = importlib.util.spec_from_file_location(f"bad_inputs_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+MODEL_EMA_FLAGS = [  # --model_ema in both training scripts
+    (["--model_ema", "--model_ema_decay", "1"], ["--model_ema_decay", "between 0 and 1", "got 1"]),
+    (["--model_ema", "--model_ema_decay", "0"], ["--model_ema_decay", "between 0 and 1"]),
+    (["--model_ema", "--model_ema_decay", "nan"], ["--model_ema_decay", "between 0 and 1"]),
+    (["--model_ema", "--model_ema_decay", "high"], ["--model_ema_decay", "a number between 0 and 1"]),
+    (["--model_ema_decay", "0.99"], ["--model_ema_decay sets up --model_ema's average: add --model_ema"]),
+    (["--model_ema_warmup"], ["--model_ema_warmup sets up --model_ema's average: add --model_ema"]),
+    (["--metric_for_best", "eval_ema_accuracy"], ["--metric_for_best eval_ema_accuracy", "add --model_ema"]),
+]
 
 
 @pytest.mark.parametrize("script, flags, words", [
+    *[(script, flags, words) for script in (TRAIN_MNIST, CLASSIFIER) for flags, words in MODEL_EMA_FLAGS],
     (TRAIN_MNIST, ["--seed", "-1"], ["--seed", "0 <= seed < 2**32"]),
     (TRAIN_MNIST, ["--seed", str(2**32)], ["--seed", "0 <= seed < 2**32"]),
     (TRAIN_MNIST, ["--seed", "abc"], ["--seed", "whole number"]),

@@ -6,7 +6,6 @@ under --compile."""
 
 import argparse
 import csv
-import importlib.util
 import json
 import re
 import shutil
@@ -14,7 +13,15 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, make_synthetic_mnist, results
+from helpers import (
+    REPO,
+    TRAIN_MNIST,
+    assert_clean_user_error,
+    launch,
+    load_script,
+    make_synthetic_mnist,
+    results,
+)
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
@@ -37,13 +44,6 @@ STEPS = 20
 
 def read_json(path) -> dict:
     return json.loads(path.read_text())
-
-
-def load_script(path):
-    spec = importlib.util.spec_from_file_location(f"model_ema_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- the update rule
@@ -85,24 +85,7 @@ def test_the_average_starts_as_a_copy_then_moves_by_one_minus_decay_and_copies_c
 # ---------------------------------------------------------------- flags
 
 
-@pytest.mark.parametrize("script", [TRAIN_MNIST, CLASSIFIER], ids=lambda path: path.name)
-@pytest.mark.parametrize("flags, words", [
-    (["--model_ema", "--model_ema_decay", "1"], ["--model_ema_decay", "between 0 and 1", "got 1"]),
-    (["--model_ema", "--model_ema_decay", "0"], ["--model_ema_decay", "between 0 and 1"]),
-    (["--model_ema", "--model_ema_decay", "nan"], ["--model_ema_decay", "between 0 and 1"]),
-    (["--model_ema", "--model_ema_decay", "high"], ["--model_ema_decay", "a number between 0 and 1"]),
-    (["--model_ema_decay", "0.99"], ["--model_ema_decay sets up --model_ema's average: add --model_ema"]),
-    (["--model_ema_warmup"], ["--model_ema_warmup sets up --model_ema's average: add --model_ema"]),
-    (["--metric_for_best", "eval_ema_accuracy"], ["--metric_for_best eval_ema_accuracy", "add --model_ema"]),
-])
-def test_wrong_flags_are_one_line(script, flags, words, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        load_script(script).parse_args(["--cpu", "--data_dir", "d", *flags])
-    assert exit_info.value.code == 2
-    (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("error: ")
-    for word in words:
-        assert word in line, line
+# Its wrong flags end with one line like every other flag's: tests/test_bad_inputs.py, test_bad_flag_values.
 
 
 def test_the_default_decay_is_timms_and_the_warmup_off():
