@@ -19,6 +19,7 @@ COLLECTIVE_HELPERS = (
     "epochs_to_train",  # checkpoints.py: check_trigger per epoch (--early_stopping_patience)
     "stop_requested",  # signals.py: check_trigger per step (--save_on_signal)
     "report_run",  # results.py: gathers one row per process
+    "replica_fingerprints",  # results.py: gathers every process's fingerprints of a model
     "evaluate_model_ema",  # ema.py: broadcasts the average's buffers, then the script's evaluation (gather_for_metrics)
     "save_model_ema",  # ema.py: gathers every process's fingerprints of the average
 )

@@ -24,7 +24,7 @@ from accelerate.utils import DistributedType, broadcast
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from utils.errors import UserError
-from utils.results import fingerprint
+from utils.results import replica_fingerprints
 
 WARMUP_POWER = 2 / 3  # timm's ModelEmaV3 warmup (warmup_gamma 1)
 EMA_WEIGHTS = "model_ema.safetensors"  # in OUTPUT_DIR at the end of a training run
@@ -147,8 +147,7 @@ def save_model_ema(accelerator, ema, output_dir) -> dict:
     process's fingerprints of it; {} without --model_ema."""
     if ema is None:
         return {}
-    replica = [[fingerprint(ema.module.parameters()), fingerprint(ema.module.buffers())]]
-    replicas = accelerator.gather(torch.tensor(replica, device=accelerator.device)).cpu().tolist()
+    replicas = replica_fingerprints(accelerator, ema.module)
     if accelerator.is_main_process:
         path = Path(output_dir) / EMA_WEIGHTS
         tmp = path.with_name(f".{path.name}.tmp")

@@ -18,16 +18,14 @@ def build_optimizer(model, name: str, learning_rate: float, weight_decay: float,
 ONECYCLE_DEFAULT_WARMUP = 0.15  # of the run: OneCycleLR's pct_start, the MNIST recipe
 
 
-def warmup_steps_of(args, steps_per_epoch: int, total_steps: int) -> int:
-    """--warmup_steps (optimizer steps), or --warmup_epochs in optimizer steps; neither: 15% of the run for onecycle,
-    none for the others. Never more than the run."""
+def warmup_steps_of(args, steps_per_epoch: int, total_steps: int):
+    """--warmup_steps (optimizer steps), or --warmup_epochs in optimizer steps, never more than the run; None when
+    neither was given (build_lr_scheduler: 15% of the run for onecycle, no warmup for the others)."""
     if args.warmup_steps is not None:
-        steps = args.warmup_steps
-    elif args.warmup_epochs is not None:
-        steps = round(args.warmup_epochs * steps_per_epoch)
-    else:
-        steps = round(ONECYCLE_DEFAULT_WARMUP * total_steps) if args.lr_scheduler_type == "onecycle" else 0
-    return min(steps, total_steps)
+        return min(args.warmup_steps, total_steps)
+    if args.warmup_epochs is not None:
+        return min(round(args.warmup_epochs * steps_per_epoch), total_steps)
+    return None
 
 
 def build_lr_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
@@ -41,9 +39,9 @@ def build_lr_scheduler(optimizer, args, steps_per_epoch: int, total_steps: int):
     name, warmup_steps = args.lr_scheduler_type, warmup_steps_of(args, steps_per_epoch, total_steps)
     if name == "onecycle":
         peak = [group["lr"] for group in optimizer.param_groups]
-        asked = args.warmup_steps is not None or args.warmup_epochs is not None
-        pct_start = max(1, warmup_steps) / total_steps if asked else ONECYCLE_DEFAULT_WARMUP  # the exact 15% otherwise
+        pct_start = ONECYCLE_DEFAULT_WARMUP if warmup_steps is None else max(1, warmup_steps) / total_steps
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, peak, total_steps, pct_start=pct_start)
+    warmup_steps = warmup_steps or 0
     decay_steps = max(1, total_steps - warmup_steps)
     after_warmup = {
         "cosine": lambda done: 0.5 * (1 + math.cos(math.pi * done / decay_steps)),

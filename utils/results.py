@@ -140,6 +140,12 @@ def fingerprint(tensors) -> int:
     return int(digest.hexdigest()[:15], 16)
 
 
+def replica_fingerprints(accelerator, module) -> list:
+    """Collective: [parameters' fingerprint, buffers' fingerprint] of `module` on every process, in rank order."""
+    replica = [[fingerprint(module.parameters()), fingerprint(module.buffers())]]
+    return accelerator.gather(torch.tensor(replica, device=accelerator.device)).cpu().tolist()
+
+
 def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint) -> None:
     """Collective: every process calls it once, after training. Completes `results` with what the
     run measured and the main process writes results.json.
@@ -171,9 +177,7 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
         full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
         replicas = [[fingerprint(full_weights.values()), 0]] if accelerator.is_main_process else []
     else:
-        unwrapped = accelerator.unwrap_model(model)
-        replica = torch.tensor([[fingerprint(unwrapped.parameters()), fingerprint(unwrapped.buffers())]], device=device)
-        replicas = accelerator.gather(replica).cpu().tolist()
+        replicas = replica_fingerprints(accelerator, accelerator.unwrap_model(model))
     if accelerator.is_main_process:
         results.update({
             "num_processes": accelerator.num_processes,
