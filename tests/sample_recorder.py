@@ -107,11 +107,15 @@ def _patch_datasets() -> None:
             image, target = super().__getitem__(index)
             epoch, (partner, kind, _) = self.epoch, self.pairing(self.epoch, index)
             lam = self.lam_of(epoch, index, *image.shape[-2:])
-            digest = hashlib.sha256(image.numpy().tobytes() + target.numpy().tobytes()).hexdigest()[:16]
-            _Log.write(epoch, int(index), partner, kind or "-", repr(lam), digest)
+            _Log.write(epoch, int(index), partner, kind or "-", repr(lam), digest_of(image, target))
             return image, target
 
     utils.mixing.MixedImages = RecordedMixedImages
+
+
+def digest_of(image: torch.Tensor, target: torch.Tensor) -> str:
+    """A mixed sample's DIGEST: a hash of its pixels and target."""
+    return hashlib.sha256(image.numpy().tobytes() + target.numpy().tobytes()).hexdigest()[:16]
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:

@@ -108,7 +108,7 @@ def accuracy_credit(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     predicted = logits.detach().argmax(dim=-1)
     if targets.ndim == 1:
         return (predicted == targets).double()
-    return targets.gather(-1, predicted[:, None])[:, 0].double()
+    return torch.take_along_dim(targets, predicted[:, None], dim=1)[:, 0].double()
 
 
 class GradNorms:
