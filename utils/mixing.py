@@ -22,8 +22,8 @@ SWITCH_PROB = 0.5  # with both methods on, the share of mixed samples that CutMi
 
 
 class Pairing(NamedTuple):
-    """How a sample is mixed in an epoch: `partner` is the other sample's index, `kind` "mixup" or "cutmix" (-1 and
-    "" when it is not mixed), `seed` seeds torchvision's draws (lam, and CutMix's box)."""
+    """How a sample is mixed in an epoch: `partner` is the other sample's index and `kind` "mixup" or "cutmix" (-1 and
+    "" when it is not mixed); `seed` seeds torchvision's draws (lam, and CutMix's box)."""
 
     partner: int
     kind: str
@@ -101,8 +101,8 @@ class MixedImages(torch.utils.data.Dataset):
 def mix_pair(transform, seed: int, pair: torch.Tensor) -> tuple:
     """torchvision's `transform` (v2.MixUp or v2.CutMix, num_classes=2) on a (2, C, H, W) pair, its draws from the
     CPU generator seeded with `seed`: (the first image mixed with the second, in the pair's dtype, and lam, the first
-    one's weight). v2.MixUp needs float pixels: uint8 comes back rounded to the nearest grey level, at most half a
-    level off, finer than 8-bit images can tell apart anyway."""
+    one's weight). v2.MixUp needs float pixels; uint8 comes back rounded, at most half a grey level off, so that the
+    batches stay uint8 up to the device (utils/image_data.py)."""
     with torch.random.fork_rng(devices=[]):  # v2's Beta and box draws use the global CPU generator
         torch.default_generator.manual_seed(seed)  # the CPU one only, as TransformedImages does
         # v2 mixes image k with image k - 1; one-hot float64 labels give the first row [lam, 1 - lam], lam exact
