@@ -58,6 +58,7 @@ from utils.flags import (  # noqa: E402
     default_num_workers,
     non_negative_float,
     positive_int,
+    probability,
     tracker_config,
 )
 from utils.hangs import collective_timeouts_named  # noqa: E402
@@ -73,6 +74,7 @@ from utils.image_data import (  # noqa: E402
 )
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
+from utils.mixing import MixedImages  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
 from utils.optim import (  # noqa: E402
     DEFAULT_LEARNING_RATE,
@@ -134,6 +136,15 @@ def parse_args(argv=None):
     model.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     model.add_argument("--weight_decay", type=non_negative_float, default=None, help="default depends on --optimizer")
     model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
+    model.add_argument("--mixup_alpha", type=non_negative_float, default=0.0,
+                       help="Mixup: a training image blended with another, lam ~ Beta(alpha, alpha) of it, and their "
+                            "classes alike; 0: off (timm's recipes: 0.8)")
+    model.add_argument("--cutmix_alpha", type=non_negative_float, default=0.0,
+                       help="CutMix: a box of another training image pasted in, leaving lam ~ Beta(alpha, alpha) of "
+                            "the area, the classes weighted by area; 0: off (timm's recipes: 1.0). With both on, each "
+                            "mixed image gets one of the two, half and half")
+    model.add_argument("--mix_prob", type=probability, default=None,
+                       help="the probability that a training image is mixed (--mixup_alpha, --cutmix_alpha); default 1")
 
     dist = parser.add_argument_group("distributed and performance switches")
     dist.add_argument("--sync_bn", action="store_true", help="BatchNorm statistics over the global batch (GPUs only)")
@@ -157,6 +168,10 @@ def parse_args(argv=None):
         parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     if not 0 <= args.label_smoothing < 1:
         parser.error(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.mixup_alpha or args.cutmix_alpha:
+        args.mix_prob = 1.0 if args.mix_prob is None else args.mix_prob
+    elif args.mix_prob is not None:
+        parser.error("--mix_prob says how often --mixup_alpha and --cutmix_alpha mix: set one of them above 0")
     if args.learning_rate is None:
         args.learning_rate = DEFAULT_LEARNING_RATE[args.optimizer]
     if args.weight_decay is None:
@@ -186,6 +201,10 @@ def describe_run(args) -> dict:
         # --model_ema: its average is part of the run (and of its checkpoints); no keys without it
         **({"model_ema_decay": args.model_ema_decay, "model_ema_warmup": args.model_ema_warmup}
            if args.model_ema else {}),
+        # --mixup_alpha, --cutmix_alpha, --mix_prob: the images trained on. None without mixing, as the keys read in a
+        # run.json saved before they existed, so that its checkpoints resume, and no resume adds or drops mixing
+        **{key: getattr(args, key) if args.mixup_alpha or args.cutmix_alpha else None
+           for key in ("mixup_alpha", "cutmix_alpha", "mix_prob")},
     }
 
 
@@ -201,6 +220,9 @@ def build_datasets(args):
     columns = (image_column, label_column)
     train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
     train_dataset = TransformedImages(train_split, train_transforms, *columns, seed=args.seed)
+    if args.mixup_alpha or args.cutmix_alpha:  # mixed in the workers too, each pair chosen by (seed, epoch, index)
+        train_dataset = MixedImages(train_dataset, len(class_names), args.mixup_alpha, args.cutmix_alpha,
+                                    args.mix_prob, seed=args.seed)
     eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
     return train_dataset, eval_dataset, class_names
 
@@ -391,7 +413,7 @@ def main(args):
                         update_model_ema(ema)  # --model_ema: the average takes in the new weights
                     optimizer.zero_grad()
                 # shared: after each batch
-                running_loss.add(loss, len(labels), step=progress.global_step + 1)
+                running_loss.add(loss, logits, labels, step=progress.global_step + 1)
                 meter.batch_done(len(labels))
                 profiler.step()
                 if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
@@ -416,7 +438,7 @@ def main(args):
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
             # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
-            results.update(train_loss=progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
+            results.update(**progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
                            lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
                            **evaluate(accelerator, model, eval_dataloader, metric, model_input, ema))
             logger.info(f"epoch {epoch}: {results}")

@@ -228,7 +228,7 @@ def main(args):
                         update_model_ema(ema)  # --model_ema: the average takes in the new weights
                     optimizer.zero_grad()
                 # shared: after each batch
-                running_loss.add(loss, len(labels), step=progress.global_step + 1)
+                running_loss.add(loss, logits, labels, step=progress.global_step + 1)
                 meter.batch_done(len(labels))
                 profiler.step()
                 if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
@@ -253,7 +253,7 @@ def main(args):
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
             # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
-            results.update(train_loss=progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
+            results.update(**progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
                            lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
                            **evaluate(accelerator, model, eval_dataloader, metric, ema))
             logger.info(f"epoch {epoch}: {results}")

@@ -7,6 +7,10 @@ at once. EPOCH is the image dataset's own epoch (what TransformedImages seeds it
 MNIST TensorDataset has none, so it is -1 there. The evaluation datasets are left alone. When SCRIPT ends,
 its exit status goes to $SAMPLE_LOG.rank{RANK}.exit.
 
+With --mixup_alpha/--cutmix_alpha the mixed sample is what trains: its line is "EPOCH INDEX PARTNER KIND LAM
+DIGEST" (utils/mixing.py: PARTNER -1 and KIND "-" when it is not mixed; DIGEST: a hash of its pixels and target), and
+its two images' fetches from the dataset it wraps write no line of their own.
+
 Fetched is trained here: a prepared DataLoaderShard fetches one batch ahead but within the epoch only, and
 skip_first_batches skips indices, not fetched batches. (A loop that breaks out of an epoch early would have
 fetched one batch more than it trained.)
@@ -14,6 +18,7 @@ fetched one batch more than it trained.)
 Also `--model tests.sample_recorder:tiny_cnn`: a classifier small enough that a checkpoint costs nothing.
 """
 
+import hashlib
 import os
 import runpy
 import sys
@@ -31,14 +36,14 @@ class _Log:
     files = {}
 
     @classmethod
-    def write(cls, epoch: int, index: int) -> None:
+    def write(cls, *fields) -> None:
         pid = os.getpid()
         if pid not in cls.files:
             info = torch.utils.data.get_worker_info()
             suffix = f".worker{info.id}" if info is not None else ""
             cls.files[pid] = open(f"{os.environ['SAMPLE_LOG']}.rank{os.environ.get('RANK', '0')}{suffix}", "a",
                                   buffering=1)
-        cls.files[pid].write(f"{epoch} {index}\n")
+        cls.files[pid].write(" ".join(map(str, fields)) + "\n")
 
 
 class RecordedTensorDataset(torch.utils.data.Dataset):
@@ -56,6 +61,7 @@ class RecordedTensorDataset(torch.utils.data.Dataset):
 def _patch_datasets() -> None:
     import utils.data
     import utils.image_data
+    import utils.mixing
 
     # train_mnist.py: the training split's tensors, recognised by identity, become a recorded dataset
     load_mnist, to_tensor_dataset = utils.data.load_mnist, utils.data.to_tensor_dataset
@@ -81,13 +87,35 @@ def _patch_datasets() -> None:
         return train_transforms[-1]
 
     class RecordedTransformedImages(TransformedImages):
+        mixed = False  # wrapped by RecordedMixedImages, which writes the lines
+
         def __getitem__(self, index):
-            if any(self.transform is t for t in train_transforms):
+            if any(self.transform is t for t in train_transforms) and not self.mixed:
                 _Log.write(int(self._epoch), int(index))  # the epoch its augmentations are seeded with
             return super().__getitem__(index)
 
     utils.image_data.train_transform = recorded_train_transform
     utils.image_data.TransformedImages = RecordedTransformedImages
+
+    # --mixup_alpha/--cutmix_alpha: the training dataset is wrapped; the wrapper records what it hands out
+    class RecordedMixedImages(utils.mixing.MixedImages):
+        def __init__(self, dataset, *args, **kwargs):
+            super().__init__(dataset, *args, **kwargs)
+            dataset.mixed = True
+
+        def __getitem__(self, index):
+            image, target = super().__getitem__(index)
+            epoch, (partner, kind, _) = self.epoch, self.pairing(self.epoch, index)
+            lam = self.lam_of(epoch, index, *image.shape[-2:])
+            _Log.write(epoch, int(index), partner, kind or "-", repr(lam), digest_of(image, target))
+            return image, target
+
+    utils.mixing.MixedImages = RecordedMixedImages
+
+
+def digest_of(image: torch.Tensor, target: torch.Tensor) -> str:
+    """A mixed sample's DIGEST: a hash of its pixels and target."""
+    return hashlib.sha256(image.numpy().tobytes() + target.numpy().tobytes()).hexdigest()[:16]
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:

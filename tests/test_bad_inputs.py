@@ -40,6 +40,12 @@ MODEL_EMA_FLAGS = [  # --model_ema in both training scripts
     (CLASSIFIER, ["--warmup_epochs", "inf"], ["--warmup_epochs", "finite number >= 0"]),
     (CLASSIFIER, ["--momentum", "nan"], ["--momentum", "finite number >= 0"]),
     (CLASSIFIER, ["--weight_decay", "-0.1"], ["--weight_decay", "finite number >= 0"]),
+    (CLASSIFIER, ["--mixup_alpha", "-0.2"], ["--mixup_alpha", "finite number >= 0", "got -0.2"]),
+    (CLASSIFIER, ["--cutmix_alpha", "nan"], ["--cutmix_alpha", "finite number >= 0"]),
+    (CLASSIFIER, ["--cutmix_alpha", "1", "--mix_prob", "1.5"], ["--mix_prob", "probability between 0 and 1", "1.5"]),
+    (CLASSIFIER, ["--cutmix_alpha", "1", "--mix_prob", "nan"], ["--mix_prob", "probability between 0 and 1"]),
+    (CLASSIFIER, ["--mix_prob", "0.5"], ["--mix_prob says how often --mixup_alpha and --cutmix_alpha mix"]),
+    (CLASSIFIER, ["--mixup_alpha", "0", "--mix_prob", "0.5"], ["--mix_prob", "set one of them above 0"]),
 ])
 def test_bad_flag_values(script, flags, words, capsys):
     """Parsed in-process, by the parser the script uses: fast, and the same one line."""

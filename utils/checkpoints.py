@@ -85,15 +85,19 @@ class TrainingProgress:
     samples_seen: int = 0  # training samples processed over the whole run
     samples_in_epoch: int = 0  # of those, in the epoch in progress
     epoch_loss_sum: float = 0.0  # sum of the per-sample training losses of the epoch in progress
+    # and of their accuracies (RunningLoss); None: resumed mid-epoch from a checkpoint saved before it was kept
+    epoch_accuracy_sum: float | None = 0.0
     optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
     num_processes: int = 1  # of the run that saved it
     global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
     best_epoch: int = -1  # --metric_for_best: the epoch evaluated best so far (-1: none yet)
     best_metric: float | None = None  # and its value
 
-    def add(self, loss_sum: float, samples: int) -> None:
-        """Fold in the losses and sample count of every process since the last call."""
+    def add(self, loss_sum: float, samples: int, accuracy_sum: float) -> None:
+        """Fold in the losses, accuracies and sample count of every process since the last call."""
         self.epoch_loss_sum += loss_sum
+        if self.epoch_accuracy_sum is not None:
+            self.epoch_accuracy_sum += accuracy_sum
         self.samples_in_epoch += samples
         self.samples_seen += samples
 
@@ -117,23 +121,26 @@ class TrainingProgress:
                             f"({self.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
         return steps
 
-    def end_epoch(self) -> float:
-        """The epoch's mean training loss; the progress then points at the next epoch."""
-        mean_loss = self.epoch_loss_sum / max(1, self.samples_in_epoch)
-        self.epoch, self.samples_in_epoch, self.epoch_loss_sum = self.epoch + 1, 0, 0.0
-        return mean_loss
+    def end_epoch(self) -> dict:
+        """The epoch's mean training loss and accuracy (None: see epoch_accuracy_sum); the progress then points at
+        the next epoch."""
+        samples, accuracy_sum = max(1, self.samples_in_epoch), self.epoch_accuracy_sum
+        means = {"train_loss": self.epoch_loss_sum / samples,
+                 "train_accuracy": accuracy_sum / samples if accuracy_sum is not None else None}
+        self.epoch, self.samples_in_epoch, self.epoch_loss_sum, self.epoch_accuracy_sum = self.epoch + 1, 0, 0.0, 0.0
+        return means
 
 
 
 def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
-    """Collective: every process calls it at the same step. Adds the losses and samples of all
+    """Collective: every process calls it at the same step. Adds the losses, accuracies and samples of all
     processes since the last call to `progress`. Without a GradScaler (fp32, bf16) a non-finite loss
     ends the run here, naming its step: the weights are lost (fp16's scaler skips such steps)."""
     rows = accelerator.gather(running_loss.take().unsqueeze(0)).cpu()  # one row per process
-    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()))
+    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()), rows[:, 4].sum().item())
     nonfinite = rows[rows[:, 2] >= 0]
     if accelerator.scaler is None and len(nonfinite):
-        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:].tolist()
+        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:4].tolist()
         # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
         raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
                         f"{newest_good_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
@@ -405,6 +412,8 @@ def read_training_state(checkpoint) -> TrainingProgress:
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({type(err).__name__}); resume from another checkpoint") from None
     fields = {field.name for field in dataclasses.fields(TrainingProgress)}
+    if isinstance(saved, dict) and "epoch_accuracy_sum" not in saved:  # saved before the accuracy was kept
+        saved["epoch_accuracy_sum"] = 0.0 if saved.get("samples_in_epoch") == 0 else None
     if not isinstance(saved, dict) or set(saved) != fields:
         raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
                         f"checkpoint written by these scripts, or start afresh in another --output_dir") from None

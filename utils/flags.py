@@ -70,6 +70,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    value = _parse(text, float, "a probability between 0 and 1")
+    if not 0 <= value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a probability between 0 and 1, got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     """Accelerate's set_seed also seeds numpy, whose generator takes seeds in [0, 2**32) (torch's takes larger)."""
     value = _parse(text, int, "a whole number")

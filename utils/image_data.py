@@ -246,6 +246,11 @@ class TransformedImages(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         self._epoch.fill_(epoch)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the augmentations are seeded with, as the main process last set it."""
+        return int(self._epoch)
+
     def __len__(self):
         return len(self.dataset)
 
@@ -258,7 +263,7 @@ class TransformedImages(torch.utils.data.Dataset):
             raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace it "
                             f"with a good copy and continue with --resume_from_checkpoint latest, or delete it and "
                             f"start again") from None
-        sample_seed = np.random.SeedSequence([self.seed, int(self._epoch), index]).generate_state(1)[0]
+        sample_seed = np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0]
         with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
             # the CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording a stack
             # trace each time (0.2 ms, a tenth of an image's whole cost)

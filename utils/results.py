@@ -73,29 +73,42 @@ class ThroughputMeter:
 
 
 class RunningLoss:
-    """This process's sum of per-sample training losses and its sample count, and the first
-    non-finite loss, all kept on the device: the training loop never waits for the GPU to read
+    """This process's sums of per-sample training losses and accuracies (`accuracy_credit`) and its sample count,
+    and the first non-finite loss, all kept on the device: the training loop never waits for the GPU to read
     them. `take()` hands them over (to be summed over processes) and starts afresh."""
 
     def __init__(self, device: torch.device):
         self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.samples = torch.zeros((), dtype=torch.float64, device=device)
+        self.accuracy_sum = torch.zeros((), dtype=torch.float64, device=device)
         # (optimizer step, loss) of the first non-finite loss; step -1: none yet
         self.first_nonfinite = torch.tensor([-1.0, 0.0], dtype=torch.float64, device=device)
 
-    def add(self, loss: torch.Tensor, num_samples: int, step: int) -> None:
+    def add(self, loss: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, step: int) -> None:
+        """A batch's mean loss, its logits and its targets (class ids, or class weights: see accuracy_credit)."""
         loss = loss.detach().double()
-        self.loss_sum += loss * num_samples
-        self.samples += num_samples
+        self.loss_sum += loss * len(targets)
+        self.samples += len(targets)
+        self.accuracy_sum += accuracy_credit(logits, targets).sum()
         first = (self.first_nonfinite[0] < 0) & ~torch.isfinite(loss)
         here = torch.stack([loss.new_tensor(float(step)), loss])
         self.first_nonfinite = torch.where(first, here, self.first_nonfinite)
 
     def take(self) -> torch.Tensor:
-        """[loss sum, samples, first non-finite step, its loss]; the sums restart from zero."""
-        taken = torch.cat([torch.stack([self.loss_sum, self.samples]), self.first_nonfinite])
-        self.loss_sum.zero_(), self.samples.zero_()
+        """[loss sum, samples, first non-finite step, its loss, accuracy sum]; the sums restart from zero."""
+        taken = torch.cat([torch.stack([self.loss_sum, self.samples]), self.first_nonfinite, self.accuracy_sum[None]])
+        self.loss_sum.zero_(), self.samples.zero_(), self.accuracy_sum.zero_()
         return taken
+
+
+def accuracy_credit(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per sample, the target's weight of the predicted class (the logits' largest): with class ids 1 or 0, plain
+    accuracy; with Mixup's or CutMix's class weights (utils/mixing.py) lam for the image's class, 1 - lam for its
+    partner's, 0 for any other (1 when both images are of the predicted class)."""
+    predicted = logits.detach().argmax(dim=-1)
+    if targets.ndim == 1:
+        return (predicted == targets).double()
+    return torch.take_along_dim(targets, predicted[:, None], dim=1)[:, 0].double()
 
 
 class GradNorms:
