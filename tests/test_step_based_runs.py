@@ -126,6 +126,20 @@ def test_eval_steps_evaluates_every_n_steps_and_at_the_end_with_best_kept_by_ste
     assert [step for step, _ in scalars(out / "train_mnist", "train_loss")] == [4, 7]
 
 
+def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(seven_steps, digits, tmp_path):
+    """The same 7 steps evaluated at the epochs' ends only (4, and 7: the end of the run) and without logs or
+    checkpoints: the same weights, bit for bit (the model trains on in train mode after each evaluation)."""
+    out = tmp_path / "plain"
+    launch(["--data_dir", digits, "--output_dir", out, "--max_train_samples", "64", "--max_eval_samples", "37",
+            "--batch_size", "8", "--max_steps", "7", "--lr_scheduler_type", "linear", "--with_tracking"],
+           num_processes=2)
+    assert (out / "model.safetensors").read_bytes() == (seven_steps[0] / "model.safetensors").read_bytes()
+    assert [step for step, _ in scalars(out / "train_mnist", "eval_loss")] == [4, 7]
+    r, evaluated_by_steps = results(out), results(seven_steps[0])
+    assert (r["global_step"], r["train_loss"]) == (7, evaluated_by_steps["train_loss"])
+    assert r["eval_loss"] == evaluated_by_steps["eval_loss"]  # both evaluated the final weights
+
+
 def test_logging_steps_logs_the_exact_mean_training_loss_of_its_steps(seven_steps):
     out, log = seven_steps
     lines = logged(log)

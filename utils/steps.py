@@ -93,6 +93,7 @@ def after_step(accelerator, events: TrainingEvents, progress, epoch: int) -> Non
             accelerator.log(logged, step=step)  # [accelerate] to every tracker
         if evaluating:
             report(accelerator, events.results, step, f"step {step}", events.evaluate())
+            events.model.train()  # evaluate() left the model in eval mode; its epoch goes on
             save_if_best(accelerator, events.model, progress, events.results, epoch, events.args, events.ema)
 
 
