@@ -16,8 +16,7 @@ COLLECTIVE_HELPERS = (
     "stop_if_any_failed",  # checkpoints.py: save_checkpoint's check that every process wrote its files
     "load_checkpoint",  # checkpoints.py: load_state (under FSDP: the shards)
     "save_if_best",  # checkpoints.py: save_checkpoint of the plain weights
-    "epochs_to_train",  # checkpoints.py: early_stopping_due per epoch
-    "early_stopping_due",  # checkpoints.py: check_trigger (--early_stopping_patience)
+    "epochs_to_train",  # checkpoints.py: check_trigger per epoch (--early_stopping_patience)
     "after_step",  # steps.py: gathers the losses (--logging_steps), evaluates (--eval_steps)
     "at_epoch_end",  # steps.py: the evaluation due, save_if_best
     "stop_requested",  # signals.py: check_trigger per step (--save_on_signal)

@@ -398,28 +398,25 @@ def epochs_to_train(accelerator, progress: TrainingProgress, args, max_steps: in
     """The epochs left, from the checkpoint's (or 0), until `max_steps` optimizer steps are done (--max_steps, or
     --epochs whole epochs) and the last epoch has ended (also one the run ended inside, so that a resume from a
     checkpoint saved at its last step still evaluates and reports it); none with --eval_only. --early_stopping_patience
-    ends them once --metric_for_best has not improved for that many evaluations (also when a resume finds it so)."""
+    ends them once --metric_for_best has not improved for that many evaluations (also when a resume finds it so).
+    The main process decides and Accelerate's trigger tells the others (one tiny all-reduce per epoch), so all
+    processes stop after the same epoch even if their metrics differed in the last bit. (Inside an epoch, with
+    --eval_steps, StepPlan.training_over ends it: every process counts the evaluations of the same gathered metrics.)"""
     while not args.eval_only:
-        if progress.samples_in_epoch == 0:  # at an epoch's start: every process decides the same
+        if progress.samples_in_epoch == 0:  # at an epoch's start (every process decides the same)
             if progress.global_step >= max_steps:
                 return
-            if early_stopping_due(accelerator, progress, args):
-                logger.info(f"Stopping early: {args.metric_for_best} has not improved for "
-                            f"{progress.evaluations_without_improvement} evaluations (best: {progress.best_metric:.4f} "
-                            f"after step {progress.best_step}, epoch {progress.best_epoch})", main_process_only=True)
-                return
+            if args.early_stopping_patience is not None:
+                if accelerator.is_main_process and \
+                        progress.evaluations_without_improvement >= args.early_stopping_patience:
+                    accelerator.set_trigger()  # [accelerate]
+                if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
+                    logger.info(f"Stopping early: {args.metric_for_best} has not improved for "
+                                f"{progress.evaluations_without_improvement} evaluations (best: "
+                                f"{progress.best_metric:.4f} after step {progress.best_step}, epoch "
+                                f"{progress.best_epoch})", main_process_only=True)
+                    return
         yield progress.epoch
-
-
-def early_stopping_due(accelerator, progress: TrainingProgress, args) -> bool:
-    """Collective: --early_stopping_patience is spent (--metric_for_best has not improved for that many evaluations).
-    The main process decides and Accelerate's trigger tells the others (one tiny all-reduce), so all processes stop
-    after the same step even if their metrics differed in the last bit."""
-    if args.early_stopping_patience is None:
-        return False
-    if accelerator.is_main_process and progress.evaluations_without_improvement >= args.early_stopping_patience:
-        accelerator.set_trigger()  # [accelerate]
-    return accelerator.check_trigger()  # [accelerate] a collective: True everywhere if any process set it
 
 
 def read_training_state(checkpoint) -> TrainingProgress:

@@ -9,7 +9,7 @@ where they gather the losses or evaluate.
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from accelerate.logging import get_logger
 
