@@ -90,7 +90,7 @@ class TrainingProgress:
     global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
     best_epoch: int = -1  # --metric_for_best: the epoch of the best evaluation so far (-1: none yet)
     best_metric: float | None = None  # and its value
-    # Fields added since (ADDED_FIELDS: a checkpoint saved before them loads with these defaults)
+    # Added later (ADDED_FIELDS): a checkpoint saved before them loads with these defaults
     best_step: int = -1  # the optimizer step after which the best evaluation was (-1: none yet, or not recorded)
     evaluations_without_improvement: int = 0  # since the best one (--early_stopping_patience counts them)
     logging_loss_sum: float = 0.0  # --logging_steps: the per-sample training losses since the last log
@@ -434,8 +434,8 @@ def read_training_state(checkpoint) -> TrainingProgress:
     if not isinstance(saved, dict) or not fields - set(ADDED_FIELDS) <= set(saved) <= fields:
         raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
                         f"checkpoint written by these scripts, or start afresh in another --output_dir") from None
-    if "evaluations_without_improvement" not in saved and saved["best_epoch"] >= 0:  # saved before steps counted it:
-        # its run evaluated after every epoch, so the evaluations since the best are the epochs ended since
+    if "evaluations_without_improvement" not in saved and saved["best_epoch"] >= 0:
+        # saved before it was counted, by a run that evaluated after every epoch: the epochs ended since the best
         saved["evaluations_without_improvement"] = saved["epoch"] - 1 - saved["best_epoch"]
     return TrainingProgress(**saved)
 
