@@ -16,6 +16,7 @@ in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).
 import logging
 import sys
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +42,6 @@ from utils.checkpoints import (  # noqa: E402
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
-    save_if_best,
     start_output_dir,
     step_checkpoint_due,
 )
@@ -51,6 +51,7 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import (  # noqa: E402
     add_lr_scheduler_flags,
     add_model_ema_flags,
+    add_step_flags,
     build_mnist_parser,
     check_flag_combinations,
     tracker_config,
@@ -64,6 +65,7 @@ from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
 from utils.signals import StopSignal, stop_requested  # noqa: E402
+from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -72,6 +74,7 @@ def parse_args(argv=None):
     parser = build_mnist_parser(__doc__.splitlines()[0])
     add_lr_scheduler_flags(parser, lr_scheduler_type="onecycle")
     add_model_ema_flags(parser)
+    add_step_flags(parser)
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
     return args
@@ -82,7 +85,8 @@ def describe_run(args) -> dict:
     with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
     return {
         "script": Path(__file__).name,
-        "epochs": args.epochs,  # OneCycleLR spans exactly --epochs, and a resume restores its length with its state
+        # OneCycleLR spans exactly --epochs (or --max_steps), and a resume restores its length with its state
+        "epochs": args.epochs, "max_steps": args.max_steps,
         "model": "ConvNet",
         "data": str(Path(args.data_dir).resolve()) if args.data_dir else "ylecun/mnist",
         "max_train_samples": args.max_train_samples,
@@ -179,8 +183,8 @@ def main(args):
     # Every epoch trains every sample at least once: on several processes Accelerate pads the last batches with
     # samples from the start of the shuffle, so that all processes take as many
     steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
-    max_steps = steps_per_epoch * args.epochs
-    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, max_steps)  # --lr_scheduler_type, --warmup_*
+    plan = StepPlan.of(args, steps_per_epoch)  # --max_steps (else --epochs), --eval_steps, --logging_steps
+    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, plan.max_steps)  # --lr_scheduler_type, ...
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
@@ -188,7 +192,7 @@ def main(args):
 
     # shared: resume, then the first write
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    ema = build_model_ema(accelerator, model, checkpoint, args, max_steps)  # and loaded from one (utils/ema.py)
+    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
     # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
@@ -197,16 +201,23 @@ def main(args):
         start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
     accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
-    results = {"train_loss": None}  # the last epoch's training and evaluation metrics
+    results = {"train_loss": None}  # the last epoch's training metrics and the last evaluation's
     meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
     grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
     # [accelerate] one progress bar per machine
-    progress_bar = tqdm(total=max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
+    progress_bar = tqdm(total=plan.max_steps, initial=progress.global_step,
+                        disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
+
+    # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
+    # kept), as --logging_steps and --eval_steps ask (utils/steps.py)
+    evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, ema)
+    events = TrainingEvents(plan, evaluation, model, ema, args, results, running_loss, meter, lr_scheduler)
 
     # the progress bar is closed when training ends, also by an error
     with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler, progress_bar:
-        for epoch in epochs_to_train(accelerator, progress, args):  # [collective] --early_stopping_patience
+        # [collective] --early_stopping_patience
+        for epoch in epochs_to_train(accelerator, progress, args, plan.max_steps):
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
@@ -214,6 +225,8 @@ def main(args):
             batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
             meter.start()
             for images, labels in batches:
+                if plan.training_over(progress):  # --max_steps done or early stopping: the epoch ends here
+                    break
                 with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)
@@ -237,6 +250,9 @@ def main(args):
                     progress_bar.update(1)
                     # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
+                    # [collective] what --logging_steps and --eval_steps ask after this step: log the mean training
+                    # loss, evaluate (logged, best/ kept); before a checkpoint of this step, which then holds it all
+                    after_step(accelerator, events, progress, epoch)
                     if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
                         with meter.paused():  # saving is not training time
                             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
@@ -252,13 +268,9 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-            # [collective] evaluate. The scheduler counts its steps in last_epoch (global_step: once per optimizer step)
-            results.update(**progress.end_epoch(), current_learning_rate=lr_scheduler.get_last_lr()[0],
-                           lr_scheduler_steps=lr_scheduler.scheduler.last_epoch, **grad_norms.take(),
-                           **evaluate(accelerator, model, eval_dataloader, metric, ema))
-            logger.info(f"epoch {epoch}: {results}")
-            accelerator.log(results | {"epoch": epoch}, step=progress.global_step)  # [accelerate] to every tracker
-            save_if_best(accelerator, model, progress, results, epoch, args, ema)  # [collective] --metric_for_best
+            # [collective] the epoch's exact mean training loss (an epoch the run ended inside: of its samples so far),
+            # with the evaluation due (after every epoch; with --eval_steps at the run's end), logged, best/ kept
+            at_epoch_end(accelerator, events, progress, epoch, **progress.end_epoch(), **grad_norms.take())
             if args.checkpointing_steps == "epoch":
                 # [collective] every process writes its part
                 save_checkpoint(accelerator, args.output_dir, f"epoch_{epoch}", progress, args.checkpoints_total_limit)
@@ -274,7 +286,8 @@ def main(args):
             # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
-            report_run(accelerator, model, meter, progress, args, results, checkpoint)  # [collective] results.json
+            # [collective] results.json
+            report_run(accelerator, model, meter, progress, args, results, checkpoint, plan)
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)

@@ -29,9 +29,20 @@ MODEL_EMA_FLAGS = [  # --model_ema in both training scripts
     (["--metric_for_best", "eval_ema_accuracy"], ["--metric_for_best eval_ema_accuracy", "add --model_ema"]),
 ]
 
+STEP_FLAGS = [  # --max_steps, --eval_steps, --logging_steps in both training scripts
+    (["--max_steps", "0"], ["--max_steps", "expected a positive integer, got 0"]),
+    (["--eval_steps", "-3"], ["--eval_steps", "expected a positive integer, got -3"]),
+    (["--logging_steps", "often"], ["--logging_steps", "expected a positive integer, got 'often'"]),
+    (["--eval_only", "--resume_from_checkpoint", "latest", "--eval_steps", "5"],
+     ["--eval_steps says when a training run", "--eval_only trains nothing: drop --eval_steps"]),
+    (["--eval_only", "--resume_from_checkpoint", "latest", "--logging_steps", "5"],
+     ["--logging_steps says when a training run", "drop --logging_steps"]),
+]
+
 
 @pytest.mark.parametrize("script, flags, words", [
     *[(script, flags, words) for script in (TRAIN_MNIST, CLASSIFIER) for flags, words in MODEL_EMA_FLAGS],
+    *[(script, flags, words) for script in (TRAIN_MNIST, CLASSIFIER) for flags, words in STEP_FLAGS],
     (TRAIN_MNIST, ["--seed", "-1"], ["--seed", "0 <= seed < 2**32"]),
     (TRAIN_MNIST, ["--seed", str(2**32)], ["--seed", "0 <= seed < 2**32"]),
     (TRAIN_MNIST, ["--seed", "abc"], ["--seed", "whole number"]),

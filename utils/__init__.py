@@ -17,6 +17,8 @@ COLLECTIVE_HELPERS = (
     "load_checkpoint",  # checkpoints.py: load_state (under FSDP: the shards)
     "save_if_best",  # checkpoints.py: save_checkpoint of the plain weights
     "epochs_to_train",  # checkpoints.py: check_trigger per epoch (--early_stopping_patience)
+    "after_step",  # steps.py: gathers the losses (--logging_steps), evaluates (--eval_steps)
+    "at_epoch_end",  # steps.py: the evaluation due, save_if_best
     "stop_requested",  # signals.py: check_trigger per step (--save_on_signal)
     "report_run",  # results.py: gathers one row per process
     "replica_fingerprints",  # results.py: gathers every process's fingerprints of a model

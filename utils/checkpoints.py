@@ -90,16 +90,30 @@ class TrainingProgress:
     optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
     num_processes: int = 1  # of the run that saved it
     global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
-    best_epoch: int = -1  # --metric_for_best: the epoch evaluated best so far (-1: none yet)
+    best_epoch: int = -1  # --metric_for_best: the epoch of the best evaluation so far (-1: none yet)
     best_metric: float | None = None  # and its value
+    # Added later (ADDED_FIELDS): a checkpoint saved before them loads with these defaults
+    best_step: int = -1  # the optimizer step after which the best evaluation was (-1: none yet, or not recorded)
+    evaluations_without_improvement: int = 0  # since the best one (--early_stopping_patience counts them)
+    logging_loss_sum: float = 0.0  # --logging_steps: the per-sample training losses since the last log
+    logging_samples: int = 0  # and their number
 
     def add(self, loss_sum: float, samples: int, accuracy_sum: float) -> None:
-        """Fold in the losses, accuracies and sample count of every process since the last call."""
+        """Fold in the losses, accuracies and sample count of every process since the last call: into the epoch's
+        sums, and its losses into those of the next --logging_steps log."""
         self.epoch_loss_sum += loss_sum
         if self.epoch_accuracy_sum is not None:
             self.epoch_accuracy_sum += accuracy_sum
         self.samples_in_epoch += samples
         self.samples_seen += samples
+        self.logging_loss_sum += loss_sum
+        self.logging_samples += samples
+
+    def take_logged_loss(self) -> float:
+        """--logging_steps: the mean training loss since the last call (over epoch ends too); the sums restart."""
+        mean_loss = self.logging_loss_sum / max(1, self.logging_samples)
+        self.logging_loss_sum, self.logging_samples = 0.0, 0
+        return mean_loss
 
     def with_batch(self, num_processes: int, batch_size: int, accumulation: int) -> "TrainingProgress":
         """A copy that records this run's process count and global batch (what its checkpoints will say)."""
@@ -123,13 +137,16 @@ class TrainingProgress:
 
     def end_epoch(self) -> dict:
         """The epoch's mean training loss and accuracy (None: see epoch_accuracy_sum); the progress then points at
-        the next epoch."""
+        the next epoch. An epoch the run ended inside (--max_steps, --early_stopping_patience at --eval_steps) ends
+        too: its means are those of the samples trained."""
         samples, accuracy_sum = max(1, self.samples_in_epoch), self.epoch_accuracy_sum
         means = {"train_loss": self.epoch_loss_sum / samples,
                  "train_accuracy": accuracy_sum / samples if accuracy_sum is not None else None}
         self.epoch, self.samples_in_epoch, self.epoch_loss_sum, self.epoch_accuracy_sum = self.epoch + 1, 0, 0.0, 0.0
         return means
 
+
+ADDED_FIELDS = ("best_step", "evaluations_without_improvement", "logging_loss_sum", "logging_samples")
 
 
 def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
@@ -359,45 +376,54 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
 
 
 def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, epoch: int, args, ema=None) -> bool:
-    """--metric_for_best, after epoch `epoch`'s evaluation: when `results` beat the best so far, record them in
-    `progress` and write the plain weights (as the final model.safetensors) and the progress to OUTPUT_DIR/best,
-    atomically. The weights are those the metric measured: for eval_ema_accuracy or eval_ema_loss, --model_ema's
-    average `ema` (as best/model.safetensors all the same, so that best/ is used as it always is). Collective when
-    it saves (gathers FSDP shards); `results` are the same on every process."""
+    """--metric_for_best, after an evaluation in (or at the end of) epoch `epoch`: when `results` beat the best so far,
+    record them in `progress` and write the plain weights (as the final model.safetensors) and the progress to
+    OUTPUT_DIR/best, atomically; otherwise count one more evaluation without improvement. The weights are those the
+    metric measured: for eval_ema_accuracy or eval_ema_loss, --model_ema's average `ema` (as best/model.safetensors
+    all the same, so that best/ is used as it always is). Collective when it saves (gathers FSDP shards); `results`
+    are the same on every process, so every process decides the same."""
     if args.metric_for_best is None:
         return False
     value, best = results[args.metric_for_best], progress.best_metric
     if best is not None and not (value > best if HIGHER_IS_BETTER[args.metric_for_best] else value < best):
+        progress.evaluations_without_improvement += 1
         return False
-    progress.best_epoch, progress.best_metric = epoch, value
+    progress.best_epoch, progress.best_step, progress.best_metric = epoch, progress.global_step, value
+    progress.evaluations_without_improvement = 0
     if args.metric_for_best.startswith("eval_ema_"):
         plain_model = ema.module
     else:
         plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
     saved = save_checkpoint(accelerator, args.output_dir, BEST, progress,
                             write_into=lambda folder: accelerator.save_model(plain_model, folder))
-    logger.info(f"epoch {epoch}: best {args.metric_for_best} so far ({value:.4f}), saved to {saved}",
-                main_process_only=True)
+    logger.info(f"step {progress.global_step} (epoch {epoch}): best {args.metric_for_best} so far ({value:.4f}), "
+                f"saved to {saved}", main_process_only=True)
     return True
 
 
-def epochs_to_train(accelerator, progress: TrainingProgress, args):
-    """The epochs left: from the checkpoint's (or 0) to --epochs; none with --eval_only. --early_stopping_patience
-    ends them once --metric_for_best has not improved for that many epochs (also when a resume finds it so).
+def epochs_to_train(accelerator, progress: TrainingProgress, args, max_steps: int):
+    """The epochs left, from the checkpoint's (or 0), until `max_steps` optimizer steps are done (--max_steps, or
+    --epochs whole epochs) and the last epoch has ended (also one the run ended inside, so that a resume from a
+    checkpoint saved at its last step still evaluates and reports it); none with --eval_only. --early_stopping_patience
+    ends them once --metric_for_best has not improved for that many evaluations (also when a resume finds it so).
     The main process decides and Accelerate's trigger tells the others (one tiny all-reduce per epoch), so all
-    processes stop after the same epoch even if their metrics differed in the last bit."""
-    for epoch in range(progress.epoch, args.epochs) if not args.eval_only else []:
-        if args.early_stopping_patience is not None:
-            epochs_without_improvement = epoch - 1 - progress.best_epoch
-            if accelerator.is_main_process and progress.best_epoch >= 0 and \
-                    epochs_without_improvement >= args.early_stopping_patience:
-                accelerator.set_trigger()  # [accelerate]
-            if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
-                logger.info(f"Stopping early: {args.metric_for_best} has not improved for {epochs_without_improvement} "
-                            f"epochs (best: {progress.best_metric:.4f} after epoch {progress.best_epoch})",
-                            main_process_only=True)
+    processes stop after the same epoch even if their metrics differed in the last bit. (Inside an epoch, with
+    --eval_steps, StepPlan.training_over ends it: every process counts the evaluations of the same gathered metrics.)"""
+    while not args.eval_only:
+        if progress.samples_in_epoch == 0:  # at an epoch's start (every process decides the same)
+            if progress.global_step >= max_steps:
                 return
-        yield epoch
+            if args.early_stopping_patience is not None:
+                if accelerator.is_main_process and \
+                        progress.evaluations_without_improvement >= args.early_stopping_patience:
+                    accelerator.set_trigger()  # [accelerate]
+                if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
+                    logger.info(f"Stopping early: {args.metric_for_best} has not improved for "
+                                f"{progress.evaluations_without_improvement} evaluations (best: "
+                                f"{progress.best_metric:.4f} after step {progress.best_step}, epoch "
+                                f"{progress.best_epoch})", main_process_only=True)
+                    return
+        yield progress.epoch
 
 
 def read_training_state(checkpoint) -> TrainingProgress:
@@ -414,9 +440,12 @@ def read_training_state(checkpoint) -> TrainingProgress:
     fields = {field.name for field in dataclasses.fields(TrainingProgress)}
     if isinstance(saved, dict) and "epoch_accuracy_sum" not in saved:  # saved before the accuracy was kept
         saved["epoch_accuracy_sum"] = 0.0 if saved.get("samples_in_epoch") == 0 else None
-    if not isinstance(saved, dict) or set(saved) != fields:
+    if not isinstance(saved, dict) or not fields - set(ADDED_FIELDS) <= set(saved) <= fields:
         raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
                         f"checkpoint written by these scripts, or start afresh in another --output_dir") from None
+    if "evaluations_without_improvement" not in saved and saved["best_epoch"] >= 0:
+        # saved before it was counted, by a run that evaluated after every epoch: the epochs ended since the best
+        saved["evaluations_without_improvement"] = saved["epoch"] - 1 - saved["best_epoch"]
     return TrainingProgress(**saved)
 
 
@@ -552,8 +581,8 @@ def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
     """Main process, once data, model and checkpoint are known good: creates --output_dir. --overwrite_output_dir
     first deletes what an earlier run left there (checkpoints, best/, .tmp-* folders, RUN_FILES), so that
     'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what may
-    change on a resume (the process count, the batch split, and --epochs where `run` leaves it out, as
-    train_image_classifier.py's does), which its checkpoints copy."""
+    change on a resume (the process count, the batch split, and --epochs and --max_steps where `run` leaves them out,
+    as train_image_classifier.py's does), which its checkpoints copy."""
     output_dir = Path(args.output_dir)
     if args.overwrite_output_dir and output_dir.is_dir():
         deleted = []
@@ -572,6 +601,7 @@ def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
         write_json_atomically(output_dir / RUN_RECORD, {
             **run,
             "epochs": args.epochs,
+            "max_steps": args.max_steps,
             "num_processes": progress.num_processes,
             "batch_size_per_process": args.batch_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -580,16 +610,42 @@ def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
 
 
 def nothing_left_to_train(progress: TrainingProgress, checkpoint, args) -> bool:
-    """A resume from a checkpoint at or past --epochs (a finished run started again by a restart loop or a
-    requeue; with train_image_classifier.py also a lower --epochs): says so in one line (main process). The caller
-    then ends with status 0 and writes nothing, so model.safetensors and results.json stay those of the run that
-    trained them."""
-    if progress.epoch < args.epochs:
+    """A resume from a checkpoint at or past the run's end (a finished run started again by a restart loop or a
+    requeue; with train_image_classifier.py also a lower --epochs or --max_steps): --epochs epochs ended, or
+    --max_steps optimizer steps done, or --early_stopping_patience spent. Says so in one line (main process). The
+    caller then ends with status 0 and writes nothing, so model.safetensors and results.json stay those of the run that
+    trained them. A checkpoint saved after the last step but before the end of its epoch (--checkpointing_steps N, a
+    signal) still has that end to do, the final evaluation and the report, unless results.json says it was done."""
+    ended = progress.samples_in_epoch == 0 or reported_after(args.output_dir, progress.global_step)
+    if args.max_steps is None and progress.epoch >= args.epochs:
+        done = f"has {progress.epoch} epochs done (step {progress.global_step}) and --epochs is {args.epochs}"
+        flag = "--epochs"
+    elif args.max_steps is not None and (progress.global_step > args.max_steps or
+                                         progress.global_step == args.max_steps and ended):
+        done = f"has {progress.global_step} optimizer steps done and --max_steps is {args.max_steps}"
+        flag = "--max_steps"
+    elif ended and args.early_stopping_patience is not None and \
+            progress.evaluations_without_improvement >= args.early_stopping_patience:
+        return say_nothing_left(f"{checkpoint} stopped early: {args.metric_for_best} has not improved for "
+                                f"{progress.evaluations_without_improvement} evaluations (--early_stopping_patience "
+                                f"{args.early_stopping_patience})", "a higher --early_stopping_patience")
+    else:
         return False
-    logger.info(f"Nothing left to train: {checkpoint} has {progress.epoch} epochs done (step {progress.global_step}) "
-                f"and --epochs is {args.epochs}; model.safetensors and results.json left as they are (to train "
-                f"further: train_image_classifier.py takes a higher --epochs; train_mnist.py's run includes its "
-                f"--epochs, so start a new run in another --output_dir)", main_process_only=True)
+    return say_nothing_left(f"{checkpoint} {done}", f"train_image_classifier.py takes a higher {flag}; "
+                            f"train_mnist.py's run includes its {flag}, so start a new run in another --output_dir")
+
+
+def reported_after(output_dir, step: int) -> bool:
+    """OUTPUT_DIR/results.json is that of a run that ended after optimizer step `step`."""
+    try:
+        return json.loads((Path(output_dir) / "results.json").read_text()).get("global_step") == step
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def say_nothing_left(why: str, to_train_further: str) -> bool:
+    logger.info(f"Nothing left to train: {why}; model.safetensors and results.json left as they are (to train "
+                f"further: {to_train_further})", main_process_only=True)
     return True
 
 

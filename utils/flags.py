@@ -170,12 +170,13 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
                           "them to OUTPUT_DIR/eval_results.json (results.json stays the training run's)")
     out.add_argument(
         "--metric_for_best", choices=sorted(HIGHER_IS_BETTER), default=None,
-        help="keep the best epoch's weights in OUTPUT_DIR/best (default eval_loss with --early_stopping_patience); "
+        help="keep the weights of the best evaluation (after each epoch, or every --eval_steps) in OUTPUT_DIR/best "
+             "(default eval_loss with --early_stopping_patience); "
              "eval_ema_*: the moving average's (--model_ema), kept there as model.safetensors",
     )
     out.add_argument(
         "--early_stopping_patience", type=positive_int, default=None, metavar="N",
-        help="stop when --metric_for_best has not improved for N epochs",
+        help="stop when --metric_for_best has not improved for N evaluations (epochs, or --eval_steps' evaluations)",
     )
 
     track = parser.add_argument_group("tracking and profiling")
@@ -234,6 +235,29 @@ def add_model_ema_flags(parser: ArgumentParser) -> None:
     )
 
 
+def add_step_flags(parser: ArgumentParser) -> None:
+    """--max_steps, --eval_steps, --logging_steps (the HF Trainer's names and meanings), for the scripts that count
+    their runs in optimizer steps with utils/steps.py."""
+    steps = parser.add_argument_group("a run in optimizer steps (the Hugging Face Trainer's flags; utils/steps.py)")
+    steps.add_argument(
+        "--max_steps", type=positive_int, default=None, metavar="N",
+        help="train N optimizer steps instead of --epochs: the run spans ceil(N / steps per epoch) epochs and ends "
+             "right after step N, perhaps inside an epoch, with an evaluation; the learning-rate schedule and "
+             "--model_ema count to N. Like --epochs, part of train_mnist.py's run (a resume keeps it), while "
+             "train_image_classifier.py may resume with another",
+    )
+    steps.add_argument(
+        "--eval_steps", type=positive_int, default=None, metavar="N",
+        help="evaluate after every N optimizer steps instead of after every epoch, and after the last step if it was "
+             "not one of them; --metric_for_best and --early_stopping_patience then go by these evaluations",
+    )
+    steps.add_argument(
+        "--logging_steps", type=positive_int, default=None, metavar="N",
+        help="every N optimizer steps, log the mean training loss over them (every process's samples) and the "
+             "learning rate, as loss and learning_rate, to the trackers and the log",
+    )
+
+
 def tracker_config(args) -> dict:
     """The run's flags as hyperparameters for the trackers, which take scalars and strings only."""
     return {k: ",".join(v) if isinstance(v, list) else str(v) if isinstance(v, Path) else v
@@ -250,6 +274,10 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
                      "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
         parser.error("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: pass one")
+    for flag in ("eval_steps", "logging_steps"):  # a script without add_step_flags has neither
+        if args.eval_only and getattr(args, flag, None) is not None:
+            parser.error(f"--{flag} says when a training run does something every N optimizer steps, and --eval_only "
+                         f"trains nothing: drop --{flag}")
     if getattr(args, "warmup_steps", None) is not None:
         args.warmup_epochs = None  # the script's default --warmup_epochs gives way to --warmup_steps
     if args.early_stopping_patience is not None and args.metric_for_best is None:

@@ -159,9 +159,9 @@ def replica_fingerprints(accelerator, module) -> list:
     return accelerator.gather(torch.tensor(replica, device=accelerator.device)).cpu().tolist()
 
 
-def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint) -> None:
+def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint, plan) -> None:
     """Collective: every process calls it once, after training. Completes `results` with what the
-    run measured and the main process writes results.json.
+    run measured and the main process writes results.json. `plan`: the run's length (utils/steps.py StepPlan).
 
     Throughput is the samples of all processes over the slowest one's steady-state time (over all its
     batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
@@ -198,7 +198,9 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "grad_scaler": accelerator.scaler is not None,
             "sharded": accelerator.is_fsdp2,
             "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
-            "epochs": args.epochs,
+            "epochs": plan.epochs,  # --epochs, or those --max_steps spans (the last one perhaps cut short)
+            "max_steps": plan.max_steps,
+            "steps_per_epoch": plan.steps_per_epoch,
             "global_step": progress.global_step,
             "samples_seen": progress.samples_seen,
             "optimizer_steps_skipped": progress.optimizer_steps_skipped,
@@ -214,8 +216,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
         })
         if args.metric_for_best is not None:
             results.update({"metric_for_best": args.metric_for_best, "best_epoch": progress.best_epoch,
-                            f"best_{args.metric_for_best}": progress.best_metric,
-                            "stopped_early": progress.epoch < args.epochs})
+                            "best_step": progress.best_step, f"best_{args.metric_for_best}": progress.best_metric,
+                            "stopped_early": progress.global_step < plan.max_steps})
         write_json_atomically(Path(args.output_dir) / "results.json", results)
         print(f"Wrote {Path(args.output_dir) / 'results.json'}", flush=True)
 
