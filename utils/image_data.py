@@ -139,7 +139,7 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
     CIFAR recipes; a random crop of 8% of a 32-pixel image would leave a few pixels. none: the image resized."""
     from torchvision.transforms import v2
     if recipe == "imagenet":
-        geometry = [RandomResizedCrop(image_size)]
+        geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
     elif recipe == "small":
         geometry = [_whole_image(image_size), v2.RandomAffine(degrees=0, scale=(0.9, 1.1)),
                     v2.RandomCrop(image_size, padding=image_size // 8, padding_mode="reflect")]
@@ -159,7 +159,10 @@ def eval_transform(image_size: int, recipe: str = "imagenet"):
 class CentralCropResized:
     """v2.Resize(resize_to) then v2.CenterCrop(size) as one step: the part of the image that the central crop shows
     (the same, to the nearest pixel of the image) is cut out first and only it is resized, a quarter to a half less
-    resizing work (_resized_crop)."""
+    resizing work.
+
+    The crop is copied to contiguous (H, W, 3) memory before the resize: torch's uint8 resize reads that layout at
+    full speed, and a strided view of the image at about the cost of the copy again."""
 
     def __init__(self, size: int, resize_to: int):
         self.size, self.resize_to = size, resize_to
@@ -176,38 +179,13 @@ class CentralCropResized:
                 "width": min(round(self.size * scale_x), width - left)}
 
     def transform(self, image, params):
-        return _resized_crop(image, params, self.size)
+        from torchvision.transforms import v2
+        top, left, height, width = params["top"], params["left"], params["height"], params["width"]
+        crop = image[:, top:top + height, left:left + width].permute(1, 2, 0).contiguous().permute(2, 0, 1)
+        return v2.functional.resize(crop, [self.size, self.size], antialias=True)
 
     def __repr__(self):
         return f"{type(self).__name__}(size={self.size}, resize_to={self.resize_to})"
-
-
-class RandomResizedCrop:
-    """v2.RandomResizedCrop(size, antialias=True): its draws (make_params) and its pixels, the crop resized from
-    contiguous memory (_resized_crop): a tenth less time."""
-
-    def __init__(self, size: int):
-        from torchvision.transforms import v2
-        self.draws, self.size = v2.RandomResizedCrop(size, antialias=True), size
-
-    def make_params(self, flat_inputs):
-        return self.draws.make_params(flat_inputs)
-
-    def transform(self, image, params):
-        return _resized_crop(image, params, self.size)
-
-    def __repr__(self):
-        return f"{type(self).__name__}(size={self.size}, scale={self.draws.scale}, ratio={self.draws.ratio})"
-
-
-def _resized_crop(image, params, size: int):
-    """The crop `params` (top, left, height, width) of a (3, H, W) uint8 image, resized to (size, size) with
-    antialiasing. The crop is copied to contiguous (H, W, 3) memory first: torch's uint8 resize reads that layout at
-    full speed, and a strided view of a larger image at about the cost of the copy again."""
-    from torchvision.transforms import v2
-    top, left, height, width = params["top"], params["left"], params["height"], params["width"]
-    crop = image[:, top:top + height, left:left + width].permute(1, 2, 0).contiguous().permute(2, 0, 1)
-    return v2.functional.resize(crop, [size, size], antialias=True)
 
 
 def _whole_image(image_size: int):
