@@ -89,10 +89,10 @@ def _patch_datasets() -> None:
     class RecordedTransformedImages(TransformedImages):
         mixed = False  # wrapped by RecordedMixedImages, which writes the lines
 
-        def __getitem__(self, index):
+        def _sample(self, index, *args):  # under both __getitem__ and __getitems__ (a batch's rows in one query)
             if any(self.transform is t for t in train_transforms) and not self.mixed:
-                _Log.write(int(self._epoch), int(index))  # the epoch its augmentations are seeded with
-            return super().__getitem__(index)
+                _Log.write(self.epoch, int(index))  # the epoch its augmentations are seeded with
+            return super()._sample(index, *args)
 
     utils.image_data.train_transform = recorded_train_transform
     utils.image_data.TransformedImages = RecordedTransformedImages
