@@ -158,7 +158,7 @@ def batches_every_process_has(accelerator, loader: StreamLoader, skip: int, accu
     for _ in range(skip):
         next(batches, None)
     while True:
-        cycle = [batch for batch, _ in zip(batches, range(accumulation_steps))]
+        cycle = [batch for _, batch in zip(range(accumulation_steps), batches)]  # takes no batch more
         have_a_cycle = torch.tensor([len(cycle) == accumulation_steps], device=accelerator.device)
         if not accelerator.gather(have_a_cycle).all():  # [accelerate] one flag per process
             if trained == 0 and skip == 0:
