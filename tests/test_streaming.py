@@ -10,15 +10,17 @@ import io
 import json
 import re
 import shutil
+import sys
 import tarfile
 import zlib
 
 import numpy as np
 import pytest
-from helpers import REPO, TRAIN_IMAGE_CLASSIFIER, launcher_args, results, run
+from helpers import REPO, launcher_args, results, run
 from image_data import CLASSES, draw_example
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
+TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 RUN = ["--streaming", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--batch_size", "2",
        "--optimizer", "adamw", "--num_workers", "0"]
 
@@ -133,16 +135,15 @@ def test_parquet_shards_and_the_refusals(tmp_path):
         rows = {"image": [{"bytes": data, "path": None} for data in images], "label": [i % 4 for i in range(size)]}
         datasets.Dataset.from_dict(rows, features=features).to_parquet(str(root / f"{name}.parquet"))
     log, out = tmp_path / "log", tmp_path / "out"
-    launch_recorded(["--dataset", root, "--max_steps", 5, "--output_dir", out], log, 1)
+    launch_recorded(["--dataset", root, "--max_steps", 4, "--output_dir", out], log, 1)
     r = results(out)
-    assert (r["global_step"], r["epochs"], r["eval_samples"], r["class_names"]) == (5, 2, 4, list(CLASSES))
-    reads = fetched(log, 1)
-    assert sorted(reads[0, 0]) == sorted(keys)  # 9 images: 4 steps of 2, the last image no batch's
+    assert (r["global_step"], r["epochs"], r["eval_samples"], r["class_names"]) == (4, 1, 4, list(CLASSES))
+    assert sorted(fetched(log, 1)[0, 0]) == sorted(keys)  # 9 images: 4 steps of 2, the last image no batch's
 
-    no_steps = run([*launcher_args(1), TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root], check=False)
+    script = [sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root]
+    no_steps = run(script, check=False)
     assert no_steps.returncode != 0 and "--streaming needs --max_steps" in no_steps.stderr
     (root / "test-00000-of-00001.parquet").unlink()
-    no_eval = run([*launcher_args(1), TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root, "--max_steps", "2",
-                   "--output_dir", tmp_path / "out2"], check=False)
+    no_eval = run([*script, "--max_steps", "2", "--output_dir", tmp_path / "out2"], check=False)
     assert no_eval.returncode != 0
     assert "--streaming needs 'train' and 'validation' or 'test'" in no_eval.stdout + no_eval.stderr
