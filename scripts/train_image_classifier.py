@@ -240,10 +240,10 @@ def describe_run(args) -> dict:
     }
 
 
-def build_datasets(args, accelerator):
+def build_datasets(args, accelerator, progress):
     """The training and evaluation images (decoded later, in the DataLoader workers) and the class names."""
     if args.streaming:  # the training images as this process's part of a stream
-        return build_stream_datasets(args, accelerator)
+        return build_stream_datasets(args, accelerator, progress)
     train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
         args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column, args.val_split
     )
@@ -261,14 +261,17 @@ def build_datasets(args, accelerator):
     return train_dataset, eval_dataset, class_names
 
 
-def build_stream_datasets(args, accelerator):
+def build_stream_datasets(args, accelerator, progress):
     """--streaming: this process's part of the training stream, shuffled per epoch (utils/streaming.py), and the
     evaluation split in memory (map-style: evaluated exactly as without --streaming)."""
+    num_processes = accelerator.num_processes  # [accelerate] they split the stream: a checkpoint's epoch goes on
+    if progress.global_step and progress.num_processes != num_processes:  # on as many processes only
+        raise UserError(f"a --streaming run resumes on the process count that saved its checkpoint "
+                        f"({progress.num_processes}, not {num_processes}): it splits the stream")
     train_stream, eval_split, image_column, label_column, class_names, label_ids = load_image_stream(
         args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column)
-    # [accelerate] this process's index and the process count
-    train_stream = stream_for_this_process(train_stream, args.seed, accelerator.process_index,
-                                           accelerator.num_processes)
+    # [accelerate] this process's index
+    train_stream = stream_for_this_process(train_stream, args.seed, accelerator.process_index, num_processes)
     train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
     train_dataset = StreamedImages(train_stream, train_transforms, image_column, label_column, args.seed, label_ids)
     if args.mixup_alpha or args.cutmix_alpha:
@@ -405,7 +408,7 @@ def main(args):
     # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
     # unless they share a filesystem)
     with accelerator.main_process_first():
-        train_dataset, eval_dataset, class_names = build_datasets(args, accelerator)  # --streaming: this process's part
+        train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)  # --streaming: this process's part
         model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
         metric = load_metric("topk_accuracy")
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tarfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def fetched(log, num_processes: int) -> dict:
     """{(epoch, rank): [image key, ...]} in fetch order."""
     by_epoch_and_rank = {}
     for rank in range(num_processes):
-        for line in open(f"{log}.rank{rank}").read().split("\n")[:-1]:
+        for line in Path(f"{log}.rank{rank}").read_text().splitlines():
             epoch, key = map(int, line.split())
             by_epoch_and_rank.setdefault((epoch, rank), []).append(key)
     return by_epoch_and_rank
@@ -111,6 +112,10 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(
     assert (state["epoch"], state["samples_in_epoch"]) == (1, 8)  # one step of 2 processes x 2 batches x 2 images
     resumed.mkdir()
     shutil.copytree(full / "step_4", resumed / "step_4")
+    one = run([*launcher_args(1), TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args), "--output_dir", resumed,
+               "--resume_from_checkpoint", "latest"], check=False)
+    assert one.returncode != 0 and "error: a --streaming run resumes on the process count that saved its checkpoint " \
+        "(2, not 1): it splits the stream" in one.stdout + one.stderr
     proc = launch_recorded([*args, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], tmp_path / "log2", 2)
     assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     r, rr = results(full), results(resumed)
@@ -143,6 +148,8 @@ def test_parquet_shards_and_the_refusals(tmp_path):
     script = [sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root]
     no_steps = run(script, check=False)
     assert no_steps.returncode != 0 and "--streaming needs --max_steps" in no_steps.stderr
+    in_epochs = run([*script, "--max_steps", "2", "--warmup_epochs", "0.5"], check=False)
+    assert in_epochs.returncode != 0 and "--warmup_epochs does not work with --streaming" in in_epochs.stderr
     (root / "test-00000-of-00001.parquet").unlink()
     no_eval = run([*script, "--max_steps", "2", "--output_dir", tmp_path / "out2"], check=False)
     assert no_eval.returncode != 0
