@@ -99,12 +99,13 @@ def test_every_process_takes_the_same_steps_and_each_image_is_read_once_per_epoc
 
 
 def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(tmp_path):
-    """4 shards on 2 processes: two whole shards each, their order shuffled per epoch, so the parts differ in size from
-    epoch to epoch; either part has at least 6 batches of 2, 3 accumulation cycles of 2: 3 steps an epoch. step_4 is
-    inside epoch 1; resumed from it alone, the run reads epoch 1 again, skips its first cycle and ends the same."""
+    """4 shards on 2 processes with 2 DataLoader workers each: two whole shards a process, one a worker, their order
+    shuffled per epoch, so the parts differ in size from epoch to epoch (each worker batches its own shard and drops
+    its last odd image); the smaller part always has 6 batches of 2, 3 accumulation cycles of 2: 3 steps an epoch.
+    step_4 is inside epoch 1; resumed from it alone, the run reads epoch 1 again, skips its first cycle, ends the same."""
     write_tar_shards(tmp_path / "shards", [6, 9, 7, 10])
     args = ["--dataset", tmp_path / "shards", "--label_column", "cls", "--max_steps", 8, "--checkpointing_steps", 2,
-            "--gradient_accumulation_steps", 2]
+            "--gradient_accumulation_steps", 2, "--num_workers", 2]
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     proc = launch_recorded([*args, "--output_dir", full], tmp_path / "log", 2)
     assert epoch_lines(proc.stdout + proc.stderr) == [0, 1, 2]
