@@ -23,7 +23,7 @@ from image_data import CLASSES, draw_example
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 RUN = ["--streaming", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--batch_size", "2",
-       "--optimizer", "adamw", "--num_workers", "0"]
+       "--optimizer", "adamw", "--num_workers", "0", "--ddp_timeout", "60"]  # a hang: an error within a minute
 
 
 def png_bytes(rng, label: int) -> bytes:
