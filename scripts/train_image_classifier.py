@@ -88,6 +88,13 @@ from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
 from utils.signals import StopSignal, ignore_stop_signals, stop_requested  # noqa: E402
 from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
+from utils.streaming import (  # noqa: E402
+    StreamedImages,
+    StreamLoader,
+    epoch_batches,
+    load_image_stream,
+    stream_for_this_process,
+)
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -106,6 +113,10 @@ def parse_args(argv=None):
     )
     source.add_argument("--dataset", help="Hugging Face Hub dataset with image and label columns, e.g. uoft-cs/cifar10")
     data.add_argument("--dataset_config", default=None, help="configuration name of --dataset, if it has several")
+    data.add_argument("--streaming", action="store_true",
+                      help="read the training split as a stream (datasets' IterableDataset), never all of it in memory "
+                           "or a cache: --dataset (a Hub name, or a folder of parquet or webdataset .tar shards) or "
+                           "--data_dir with a val split; needs --max_steps. docs/image_classification.md, Streaming")
     data.add_argument("--image_column", default=None, help="default: the dataset's Image column")
     data.add_argument("--label_column", default=None, help="default: the dataset's ClassLabel column")
     data.add_argument("--val_split", type=float, default=0.2, help="fraction held out when there is no val split")
@@ -163,6 +174,8 @@ def parse_args(argv=None):
                            "pass: about half the activation memory for a third more compute, the same gradients")
     args = parser.parse_args(argv)
     check_flag_combinations(parser, args)
+    if args.streaming:
+        check_streaming_flags(parser, args)
     if not 0 < args.val_split < 1:
         parser.error(f"--val_split must be between 0 and 1, got {args.val_split}")
     if args.num_workers is None:  # e.g. 2 on a 2-core laptop, 1 each for 2 processes there, 4 on a GPU node
@@ -183,6 +196,19 @@ def parse_args(argv=None):
     if args.hflip is None:
         args.hflip = default_hflip(args.augmentation)
     return args
+
+
+def check_streaming_flags(parser, args) -> None:
+    """--streaming: a stream has no length, so the run's length is --max_steps and an epoch is not known beforehand."""
+    if args.max_steps is None:
+        parser.error("--streaming needs --max_steps (a stream's length is unknown, so the run is counted in steps)")
+    for flag in ("max_train_samples", "auto_find_batch_size"):
+        if getattr(args, flag):
+            parser.error(f"--{flag} does not work with --streaming (it needs a dataset of known length); drop it")
+    if args.warmup_epochs != parser.get_default("warmup_epochs"):
+        parser.error("--warmup_epochs does not work with --streaming (an epoch's length is unknown beforehand); "
+                     "use --warmup_steps")
+    args.warmup_epochs = None  # the default warmup of one epoch: none (--warmup_steps gives one)
 
 
 def describe_run(args) -> dict:
@@ -209,11 +235,15 @@ def describe_run(args) -> dict:
         # run.json saved before they existed, so that its checkpoints resume, and no resume adds or drops mixing
         **{key: getattr(args, key) if args.mixup_alpha or args.cutmix_alpha else None
            for key in ("mixup_alpha", "cutmix_alpha", "mix_prob")},
+        # --streaming: the worker count decides which worker reads which shards, so the order of the batches
+        **({"streaming": True, "num_workers": args.num_workers} if args.streaming else {}),
     }
 
 
-def build_datasets(args):
+def build_datasets(args, accelerator, progress):
     """The training and evaluation images (decoded later, in the DataLoader workers) and the class names."""
+    if args.streaming:  # the training images as this process's part of a stream
+        return build_stream_datasets(args, accelerator, progress)
     train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
         args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column, args.val_split
     )
@@ -229,6 +259,44 @@ def build_datasets(args):
                                     args.mix_prob, seed=args.seed)
     eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
     return train_dataset, eval_dataset, class_names
+
+
+def build_stream_datasets(args, accelerator, progress):
+    """--streaming: this process's part of the training stream, shuffled per epoch (utils/streaming.py), and the
+    evaluation split in memory (map-style: evaluated exactly as without --streaming)."""
+    num_processes = accelerator.num_processes  # [accelerate] they split the stream: a checkpoint's epoch goes on
+    if progress.global_step and progress.num_processes != num_processes:  # on as many processes only
+        raise UserError(f"a --streaming run resumes on the process count that saved its checkpoint "
+                        f"({progress.num_processes}, not {num_processes}): it splits the stream")
+    train_stream, eval_split, image_column, label_column, class_names, label_ids = load_image_stream(
+        args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column)
+    # [accelerate] this process's index
+    train_stream = stream_for_this_process(train_stream, args.seed, accelerator.process_index, num_processes)
+    train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
+    train_dataset = StreamedImages(train_stream, train_transforms, image_column, label_column, args.seed, label_ids)
+    if args.mixup_alpha or args.cutmix_alpha:
+        raise UserError("--mixup_alpha and --cutmix_alpha do not work with --streaming yet (their partners are drawn "
+                        "by index); drop them")
+    eval_transforms = eval_transform(args.image_size, args.augmentation)
+    eval_dataset = TransformedImages(eval_split, eval_transforms, image_column, label_column)
+    return train_dataset, eval_dataset, class_names
+
+
+def training_loader(args, accelerator, train_dataset):
+    """drop_last: a last batch of one image would break BatchNorm in training. loader_options: --batch_size (per
+    process), --num_workers, pinned memory for a GPU. A stream's loader is this process's own (StreamLoader)."""
+    if args.streaming:
+        return StreamLoader(DataLoader(train_dataset, drop_last=True, **loader_options(args, accelerator)))
+    return DataLoader(train_dataset, shuffle=True, drop_last=True, **loader_options(args, accelerator))
+
+
+def steps_per_epoch_of(progress, train_dataset, args) -> int:
+    """Every epoch trains on whole global batches only, the same number on any number of processes (so that a run
+    resumed on another number keeps its schedule); the rest of the shuffle is left out. A stream's epoch ends where a
+    process's part runs out (utils/streaming.py), unknown beforehand: --max_steps stands for its length."""
+    if args.streaming:
+        return args.max_steps
+    return progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
 
 
 def ddp_options(args):
@@ -262,7 +330,7 @@ def loader_options(args, accelerator) -> dict:
             "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
 
 
-def describe_model(args, accelerator, model, class_names, train_size: int) -> dict:
+def describe_model(args, accelerator, model, class_names, train_dataset) -> dict:
     """What predict.py needs to rebuild the model, and the recipe --augmentation auto chose: for results.json."""
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # [accelerate] no DDP or compile wrapper
     return {
@@ -270,7 +338,7 @@ def describe_model(args, accelerator, model, class_names, train_size: int) -> di
         "stem": stem_of(plain_model),  # ResNets: small or imagenet
         "gradient_checkpointing": args.gradient_checkpointing,
         "class_names": class_names,  # class id i is class_names[i]
-        "train_size": train_size,
+        "train_size": None if args.streaming else len(train_dataset),  # a stream's is unknown
     }
 
 
@@ -340,7 +408,7 @@ def main(args):
     # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
     # unless they share a filesystem)
     with accelerator.main_process_first():
-        train_dataset, eval_dataset, class_names = build_datasets(args)
+        train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)  # --streaming: this process's part
         model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
         metric = load_metric("topk_accuracy")
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
@@ -356,13 +424,9 @@ def main(args):
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # drop_last: a last batch of one image would break BatchNorm in training. loader_options: --batch_size (per
-    # process), --num_workers, pinned memory for a GPU
-    train_dataloader = DataLoader(train_dataset, shuffle=True, drop_last=True, **loader_options(args, accelerator))
+    train_dataloader = training_loader(args, accelerator, train_dataset)  # --streaming: this process's part
     eval_dataloader = DataLoader(eval_dataset, **loader_options(args, accelerator))
-    # Every epoch trains on whole global batches only, the same number on any number of processes
-    # (so that a run resumed on another number keeps its schedule); the rest of the shuffle is left out.
-    steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
+    steps_per_epoch = steps_per_epoch_of(progress, train_dataset, args)  # whole global batches; a stream's: unknown
     plan = StepPlan.of(args, steps_per_epoch)  # --max_steps (else --epochs), --eval_steps, --logging_steps
     lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, plan.max_steps)  # --lr_scheduler_type, ...
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
@@ -402,8 +466,9 @@ def main(args):
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
             skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
-            # [accelerate] a loader that starts after the batches the checkpoint's run trained in this epoch
-            batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
+            # [collective] a loader that starts after the batches the checkpoint's run trained in this epoch; a
+            # stream's ends where a process's part does, on every process (utils/streaming.py)
+            batches = epoch_batches(accelerator, train_dataloader, skip, args.gradient_accumulation_steps)
             meter.start()
             for images, labels in batches:
                 # whole global batches only (see above); --max_steps done or early stopping: the epoch ends here
@@ -461,7 +526,7 @@ def main(args):
 
     if args.eval_only:
         results.update(evaluate(accelerator, model, eval_dataloader, metric, model_input, ema))  # [collective]
-    results.update(describe_model(args, accelerator, model, class_names, len(train_dataset)))
+    results.update(describe_model(args, accelerator, model, class_names, train_dataset))
     # shared: the end
     if not stopping:
         accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves

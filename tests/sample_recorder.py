@@ -11,6 +11,9 @@ With --mixup_alpha/--cutmix_alpha the mixed sample is what trains: its line is "
 DIGEST" (utils/mixing.py: PARTNER -1 and KIND "-" when it is not mixed; DIGEST: a hash of its pixels and target), and
 its two images' fetches from the dataset it wraps write no line of their own.
 
+With --streaming each image the stream decodes for training writes "EPOCH KEY" (KEY: the CRC-32 of the image file, what
+utils/streaming.py seeds its augmentations with): a decoded image may be one of the last few that no whole batch took.
+
 Fetched is trained here: a prepared DataLoaderShard fetches one batch ahead but within the epoch only, and
 skip_first_batches skips indices, not fetched batches. (A loop that breaks out of an epoch early would have
 fetched one batch more than it trained.)
@@ -22,6 +25,7 @@ import hashlib
 import os
 import runpy
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -62,6 +66,7 @@ def _patch_datasets() -> None:
     import utils.data
     import utils.image_data
     import utils.mixing
+    import utils.streaming
 
     # train_mnist.py: the training split's tensors, recognised by identity, become a recorded dataset
     load_mnist, to_tensor_dataset = utils.data.load_mnist, utils.data.to_tensor_dataset
@@ -111,6 +116,14 @@ def _patch_datasets() -> None:
             return image, target
 
     utils.mixing.MixedImages = RecordedMixedImages
+
+    # --streaming: each decoded training image writes "EPOCH KEY", KEY the CRC-32 of its file that seeds its augmentations
+    class RecordedStreamedImages(utils.streaming.StreamedImages):
+        def transformed(self, data):
+            _Log.write(self.epoch, zlib.crc32(data))
+            return super().transformed(data)
+
+    utils.streaming.StreamedImages = RecordedStreamedImages
 
 
 def digest_of(image: torch.Tensor, target: torch.Tensor) -> str:

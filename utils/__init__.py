@@ -24,4 +24,6 @@ COLLECTIVE_HELPERS = (
     "replica_fingerprints",  # results.py: gathers every process's fingerprints of a model
     "evaluate_model_ema",  # ema.py: broadcasts the average's buffers, then the script's evaluation (gather_for_metrics)
     "save_model_ema",  # ema.py: gathers every process's fingerprints of the average
+    "epoch_batches",  # streaming.py: a stream's batches_every_process_has
+    "batches_every_process_has",  # streaming.py: gathers every process's "I have a whole accumulation cycle" per cycle
 )

@@ -198,9 +198,11 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "grad_scaler": accelerator.scaler is not None,
             "sharded": accelerator.is_fsdp2,
             "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
-            "epochs": plan.epochs,  # --epochs, or those --max_steps spans (the last one perhaps cut short)
+            # --epochs, or those --max_steps spans (the last one perhaps cut short); --streaming: the epochs gone through,
+            # of lengths that vary and are not known beforehand (utils/streaming.py)
+            "epochs": progress.epoch if getattr(args, "streaming", False) else plan.epochs,
             "max_steps": plan.max_steps,
-            "steps_per_epoch": plan.steps_per_epoch,
+            "steps_per_epoch": None if getattr(args, "streaming", False) else plan.steps_per_epoch,
             "global_step": progress.global_step,
             "samples_seen": progress.samples_seen,
             "optimizer_steps_skipped": progress.optimizer_steps_skipped,

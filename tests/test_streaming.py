@@ -1,0 +1,157 @@
+"""train_image_classifier.py --streaming (utils/streaming.py): webdataset tar shards and parquet files of uneven sizes,
+read as this process's part of a shuffled stream. Every process takes the same optimizer steps (no hang when one
+process's part runs out first), each image is trained at most once per epoch, a run resumed from a checkpoint inside
+an epoch ends with the uninterrupted run's weights, and evaluation stays exact.
+
+Images: 16 px, each unique (random noise), so that the CRC-32 of its file, which tests/sample_recorder.py logs, names it.
+"""
+
+import io
+import json
+import re
+import shutil
+import sys
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import REPO, launcher_args, results, run
+from image_data import CLASSES, draw_example
+
+RECORDER = REPO / "tests" / "sample_recorder.py"
+TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+RUN = ["--streaming", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--batch_size", "2",
+       "--optimizer", "adamw", "--num_workers", "0", "--ddp_timeout", "60"]  # a hang: an error within a minute
+
+
+def png_bytes(rng, label: int) -> bytes:
+    buffer = io.BytesIO()
+    draw_example(rng, list(CLASSES)[label], size=16).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def write_tar_shards(root, sizes, test_size: int = 6, seed: int = 0) -> dict:
+    """ROOT/train-0000i.tar of the given sizes and ROOT/test-00000.tar, webdataset-style (KEY.png, KEY.cls). Returns the
+    training images' CRC-32s with their labels."""
+    rng, keys = np.random.default_rng(seed), {}
+    root.mkdir(parents=True)
+    for split, shard_sizes in (("train", sizes), ("test", [test_size])):
+        for shard, size in enumerate(shard_sizes):
+            with tarfile.open(root / f"{split}-{shard:05d}.tar", "w") as tar:
+                for i in range(size):
+                    label = (shard + i) % len(CLASSES)
+                    data = png_bytes(rng, label)
+                    if split == "train":
+                        keys[zlib.crc32(data)] = label
+                    for ext, content in (("png", data), ("cls", str(label).encode())):
+                        info = tarfile.TarInfo(f"{split}{shard}_{i:04d}.{ext}")
+                        info.size = len(content)
+                        tar.addfile(info, io.BytesIO(content))
+    return keys
+
+
+def launch_recorded(args, log, num_processes: int, check=True):
+    cmd = [*launcher_args(num_processes), RECORDER, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args)]
+    return run(cmd, env={"SAMPLE_LOG": str(log)}, check=check)
+
+
+def fetched(log, num_processes: int) -> dict:
+    """{(epoch, rank): [image key, ...]} in fetch order."""
+    by_epoch_and_rank = {}
+    for rank in range(num_processes):
+        for line in Path(f"{log}.rank{rank}").read_text().splitlines():
+            epoch, key = map(int, line.split())
+            by_epoch_and_rank.setdefault((epoch, rank), []).append(key)
+    return by_epoch_and_rank
+
+
+def epoch_lines(output: str) -> list:
+    return [int(n) for n in re.findall(r"INFO \[RANK 0\] epoch (\d+): ", output)]
+
+
+@pytest.mark.parametrize("num_processes, shard_sizes, per_rank, steps_per_epoch, max_steps", [
+    # 3 shards on 2 processes: every 2nd example of the stream each, 10 and 9: 5 and 4 batches, so 4 steps an epoch
+    (2, [7, 3, 9], [10, 9], 4, 10),
+    # 2 shards on 3 processes (one shard fewer than processes): 6, 6 and 5 images, 3, 3 and 2 batches: 2 steps
+    (3, [6, 11], [6, 6, 5], 2, 5),
+], ids=["3_shards_2_processes", "2_shards_3_processes"])
+def test_every_process_takes_the_same_steps_and_each_image_is_read_once_per_epoch(
+        tmp_path, num_processes, shard_sizes, per_rank, steps_per_epoch, max_steps):
+    keys = write_tar_shards(tmp_path / "shards", shard_sizes)
+    log, out = tmp_path / "log", tmp_path / "out"
+    proc = launch_recorded(["--dataset", tmp_path / "shards", "--label_column", "cls", "--max_steps", max_steps,
+                            "--output_dir", out], log, num_processes)
+    epochs = -(-max_steps // steps_per_epoch)
+    r = results(out)
+    assert (r["global_step"], r["epochs"], r["samples_seen"]) == (max_steps, epochs, max_steps * 2 * num_processes)
+    assert r["eval_samples"] == 6 and r["train_size"] is None and r["steps_per_epoch"] is None
+    assert epoch_lines(proc.stdout + proc.stderr) == list(range(epochs))
+    reads = fetched(log, num_processes)
+    for epoch in range(epochs - 1):  # a whole epoch reads every image once, on one process: its part of the stream
+        parts = [reads[epoch, rank] for rank in range(num_processes)]
+        assert [len(part) for part in parts] == per_rank
+        assert sorted(key for part in parts for key in part) == sorted(keys)
+    last = [key for rank in range(num_processes) for key in reads[epochs - 1, rank]]
+    assert len(last) == len(set(last)) >= (max_steps - (epochs - 1) * steps_per_epoch) * 2 * num_processes
+    assert reads[0, 0] != reads[1, 0]  # the shuffle is seeded per epoch
+
+
+def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(tmp_path):
+    """4 shards on 2 processes with 2 DataLoader workers each: two whole shards a process, one a worker, their order
+    shuffled per epoch, so the parts differ in size from epoch to epoch (each worker batches its own shard and drops
+    its last odd image); the smaller part always has 6 batches of 2, 3 accumulation cycles of 2: 3 steps an epoch.
+    step_4 is inside epoch 1; resumed from it alone, the run reads epoch 1 again, skips its first cycle, ends the same."""
+    write_tar_shards(tmp_path / "shards", [6, 9, 7, 10])
+    args = ["--dataset", tmp_path / "shards", "--label_column", "cls", "--max_steps", 8, "--checkpointing_steps", 2,
+            "--gradient_accumulation_steps", 2, "--num_workers", 2]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    proc = launch_recorded([*args, "--output_dir", full], tmp_path / "log", 2)
+    assert epoch_lines(proc.stdout + proc.stderr) == [0, 1, 2]
+    state = json.loads((full / "step_4" / "training_state.json").read_text())
+    assert (state["epoch"], state["samples_in_epoch"]) == (1, 8)  # one step of 2 processes x 2 batches x 2 images
+    resumed.mkdir()
+    shutil.copytree(full / "step_4", resumed / "step_4")
+    one = run([*launcher_args(1), TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args), "--output_dir", resumed,
+               "--resume_from_checkpoint", "latest"], check=False)
+    assert one.returncode != 0 and "error: a --streaming run resumes on the process count that saved its checkpoint " \
+        "(2, not 1): it splits the stream" in one.stdout + one.stderr
+    proc = launch_recorded([*args, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], tmp_path / "log2", 2)
+    assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
+    r, rr = results(full), results(resumed)
+    for key in ("global_step", "epochs", "samples_seen", "train_loss", "eval_loss", "eval_accuracy", "eval_samples"):
+        assert rr[key] == r[key], key
+    assert (r["global_step"], r["epochs"], r["eval_samples"]) == (8, 3, 6)
+    assert epoch_lines(proc.stdout + proc.stderr) == [1, 2]
+
+
+def test_parquet_shards_and_the_refusals(tmp_path):
+    """Parquet files stream too (one process: each epoch reads every image once); --streaming without --max_steps or
+    without an evaluation split: one line each."""
+    import datasets
+
+    root = tmp_path / "parquet"
+    root.mkdir()
+    rng, keys = np.random.default_rng(1), []
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=list(CLASSES))})
+    for name, size in (("train-00000-of-00002", 5), ("train-00001-of-00002", 4), ("test-00000-of-00001", 4)):
+        images = [png_bytes(rng, i % 4) for i in range(size)]
+        keys += [zlib.crc32(data) for data in images] if name.startswith("train") else []
+        rows = {"image": [{"bytes": data, "path": None} for data in images], "label": [i % 4 for i in range(size)]}
+        datasets.Dataset.from_dict(rows, features=features).to_parquet(str(root / f"{name}.parquet"))
+    log, out = tmp_path / "log", tmp_path / "out"
+    launch_recorded(["--dataset", root, "--max_steps", 4, "--output_dir", out], log, 1)
+    r = results(out)
+    assert (r["global_step"], r["epochs"], r["eval_samples"], r["class_names"]) == (4, 1, 4, list(CLASSES))
+    assert sorted(fetched(log, 1)[0, 0]) == sorted(keys)  # 9 images: 4 steps of 2, the last image no batch's
+
+    script = [sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root]
+    no_steps = run(script, check=False)
+    assert no_steps.returncode != 0 and "--streaming needs --max_steps" in no_steps.stderr
+    in_epochs = run([*script, "--max_steps", "2", "--warmup_epochs", "0.5"], check=False)
+    assert in_epochs.returncode != 0 and "--warmup_epochs does not work with --streaming" in in_epochs.stderr
+    (root / "test-00000-of-00001.parquet").unlink()
+    no_eval = run([*script, "--max_steps", "2", "--output_dir", tmp_path / "out2"], check=False)
+    assert no_eval.returncode != 0
+    assert "--streaming needs 'train' and 'validation' or 'test'" in no_eval.stdout + no_eval.stderr
