@@ -205,6 +205,9 @@ def check_streaming_flags(parser, args) -> None:
     for flag in ("max_train_samples", "auto_find_batch_size"):
         if getattr(args, flag):
             parser.error(f"--{flag} does not work with --streaming (it needs a dataset of known length); drop it")
+    if args.mixup_alpha or args.cutmix_alpha:
+        parser.error("--mixup_alpha and --cutmix_alpha do not work with --streaming yet (each image's partner is drawn "
+                     "by its index in the data set, which a stream does not have); drop them")
     if args.warmup_epochs != parser.get_default("warmup_epochs"):
         parser.error("--warmup_epochs does not work with --streaming (an epoch's length is unknown beforehand); "
                      "use --warmup_steps")
@@ -274,9 +277,6 @@ def build_stream_datasets(args, accelerator, progress):
     train_stream = stream_for_this_process(train_stream, args.seed, accelerator.process_index, num_processes)
     train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
     train_dataset = StreamedImages(train_stream, train_transforms, image_column, label_column, args.seed, label_ids)
-    if args.mixup_alpha or args.cutmix_alpha:
-        raise UserError("--mixup_alpha and --cutmix_alpha do not work with --streaming yet (their partners are drawn "
-                        "by index); drop them")
     eval_transforms = eval_transform(args.image_size, args.augmentation)
     eval_dataset = TransformedImages(eval_split, eval_transforms, image_column, label_column)
     return train_dataset, eval_dataset, class_names
@@ -408,7 +408,8 @@ def main(args):
     # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
     # unless they share a filesystem)
     with accelerator.main_process_first():
-        train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)  # --streaming: this process's part
+        # --streaming: this process reads its own part of the stream (by its index and the process count)
+        train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)
         model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
         metric = load_metric("topk_accuracy")
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)

@@ -57,6 +57,8 @@ STEP_FLAGS = [  # --max_steps, --eval_steps, --logging_steps in both training sc
     (CLASSIFIER, ["--cutmix_alpha", "1", "--mix_prob", "nan"], ["--mix_prob", "probability between 0 and 1"]),
     (CLASSIFIER, ["--mix_prob", "0.5"], ["--mix_prob says how often --mixup_alpha and --cutmix_alpha mix"]),
     (CLASSIFIER, ["--mixup_alpha", "0", "--mix_prob", "0.5"], ["--mix_prob", "set one of them above 0"]),
+    (CLASSIFIER, ["--streaming", "--max_steps", "4", "--mixup_alpha", "0.2"],
+     ["--mixup_alpha and --cutmix_alpha do not work with --streaming", "drop them"]),
 ])
 def test_bad_flag_values(script, flags, words, capsys):
     """Parsed in-process, by the parser the script uses: fast, and the same one line."""
