@@ -119,9 +119,9 @@ def _patch_datasets() -> None:
 
     # --streaming: each decoded training image writes "EPOCH KEY", KEY the CRC-32 of its file that seeds its augmentations
     class RecordedStreamedImages(utils.streaming.StreamedImages):
-        def transformed(self, data):
+        def transformed(self, data, *args):
             _Log.write(self.epoch, zlib.crc32(data))
-            return super().transformed(data)
+            return super().transformed(data, *args)
 
     utils.streaming.StreamedImages = RecordedStreamedImages
 

@@ -350,16 +350,22 @@ class TransformedImages(torch.utils.data.Dataset):
 
     def _sample(self, index, image, label):
         # image: {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
-        try:
-            pixels = decode_rgb(image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes())
-        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-            raise UserError(f"{self.source_of(index)} cannot be decoded ({type(err).__name__}: {err}); replace it "
-                            f"with a good copy and continue with --resume_from_checkpoint latest, or delete it and "
-                            f"start again") from None
-        sample_seed = np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0]
-        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
-            # the CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording a stack
-            # trace each time (0.2 ms, a tenth of an image's whole cost)
-            torch.default_generator.manual_seed(int(sample_seed))
-            pixels = self.transform(pixels)
-        return pixels, label
+        data = image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes()
+        return decode_and_transform(data, self.transform, [self.seed, self.epoch, index], self.source_of(index)), label
+
+
+def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str) -> torch.Tensor:
+    """An image file's bytes decoded (decode_rgb) and transformed, the random augmentations drawn from a generator
+    seeded by `seed_entropy` (seed, epoch, and what names the sample), so that a sample is augmented the same way
+    wherever it is loaded. A file that does not decode: one line naming `source`."""
+    try:
+        pixels = decode_rgb(data)
+    except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
+        raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy and "
+                        f"continue with --resume_from_checkpoint latest, or delete it and start again") from None
+    sample_seed = np.random.SeedSequence(seed_entropy).generate_state(1)[0]
+    with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
+        # the CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording a stack
+        # trace each time (0.2 ms, a tenth of an image's whole cost)
+        torch.default_generator.manual_seed(int(sample_seed))
+        return transform(pixels)

@@ -13,11 +13,10 @@ map-style dataset (it must be small enough for memory): exact, as without --stre
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from utils.errors import UserError, first_line
-from utils.image_data import EVAL_SPLITS, _column_of_type, decode_rgb
+from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).
@@ -105,18 +104,11 @@ class StreamedImages(torch.utils.data.IterableDataset):
         for example in self.stream:
             image = example[self.image_column]  # {"bytes": ..., "path": ...}: bytes in parquet and tar files
             data = image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes()
-            yield self.transformed(data), self.class_id(example[self.label_column])
+            yield self.transformed(data, image.get("path")), self.class_id(example[self.label_column])
 
-    def transformed(self, data: bytes) -> torch.Tensor:
-        try:
-            pixels = decode_rgb(data)
-        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-            raise UserError(f"an image of the stream cannot be decoded ({type(err).__name__}: {err}); replace it with "
-                            f"a good copy and continue with --resume_from_checkpoint latest") from None
-        sample_seed = np.random.SeedSequence([self.seed, self.epoch, zlib.crc32(data)]).generate_state(1)[0]
-        with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
-            torch.default_generator.manual_seed(int(sample_seed))
-            return self.transform(pixels)
+    def transformed(self, data: bytes, path=None) -> torch.Tensor:
+        source = path or f"an image of the stream (CRC-32 {zlib.crc32(data):08x})"
+        return decode_and_transform(data, self.transform, [self.seed, self.epoch, zlib.crc32(data)], source)
 
     def class_id(self, label) -> int:
         if self.label_ids is None:
@@ -147,10 +139,10 @@ def epoch_batches(accelerator, dataloader, skip: int, accumulation_steps: int):
 
 
 def batches_every_process_has(accelerator, loader: StreamLoader, skip: int, accumulation_steps: int):
-    """Collective: this process's batches of the epoch, on the device, after the first `skip` (a resume inside the epoch:
-    they are read and dropped), one accumulation cycle at a time while every process has a whole cycle left. Before
-    each cycle every process says whether it has one (one tiny all-gather per cycle), so all of them stop at the same
-    optimizer step whatever the sizes of their parts: no process waits forever in the next all-reduce of gradients.
+    """Collective: this process's batches of the epoch, on the device, after the first `skip` (a resume inside the
+    epoch: they are read and dropped), one accumulation cycle at a time while every process has a whole cycle left.
+    Before each cycle every process says whether it has one (one tiny all-gather per cycle), so all of them stop at the
+    same optimizer step whatever the sizes of their parts: no process waits forever in the next all-reduce of gradients.
     A resumed epoch reads its stream in the same order (the shuffle's seed and the split are the same) and skips."""
     from accelerate.utils import send_to_device
 
