@@ -244,7 +244,8 @@ def describe_run(args) -> dict:
 
 
 def build_datasets(args, accelerator, progress):
-    """The training and evaluation images (decoded later, in the DataLoader workers) and the class names."""
+    """The training and evaluation images (decoded later, in the DataLoader workers) and the class names. `accelerator`
+    and `progress` (the process's index and count, the checkpoint's): for --streaming only."""
     if args.streaming:  # the training images as this process's part of a stream
         return build_stream_datasets(args, accelerator, progress)
     train_split, eval_split, image_column, label_column, class_names = load_image_datasets(

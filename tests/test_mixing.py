@@ -216,7 +216,8 @@ def test_without_the_flags_nothing_is_mixed(folder):
     common = ["--data_dir", str(folder), "--image_size", "16"]
     plain = script.parse_args(common)
     assert (plain.mixup_alpha, plain.cutmix_alpha, plain.mix_prob) == (0.0, 0.0, None)
-    assert type(script.build_datasets(plain)[0]) is TransformedImages  # the same samples as before mixing existed
+    # the same samples as before mixing existed
+    assert type(script.build_datasets(plain, accelerator=None, progress=None)[0]) is TransformedImages
     # recorded as a run.json saved before the flags existed reads (no key: None), so its checkpoints still resume
     run = script.describe_run(plain)
     assert (run["mixup_alpha"], run["cutmix_alpha"], run["mix_prob"]) == (None, None, None)
@@ -224,7 +225,7 @@ def test_without_the_flags_nothing_is_mixed(folder):
 
     mixing = script.parse_args([*common, "--cutmix_alpha", "1.0"])
     assert mixing.mix_prob == 1.0  # timm's default
-    dataset = script.build_datasets(mixing)[0]
+    dataset = script.build_datasets(mixing, accelerator=None, progress=None)[0]
     assert isinstance(dataset, MixedImages) and set(dataset.transforms) == {"cutmix"} and dataset.seed == 42
     run = script.describe_run(mixing)
     assert (run["mixup_alpha"], run["cutmix_alpha"], run["mix_prob"]) == (0.0, 1.0, 1.0)
@@ -339,7 +340,7 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(fo
             "--learning_rate", "1e-30", "--warmup_epochs", "0", "--label_smoothing", "0.1", *MIXING]
     launch_recorded(args, 1, log)
     trained = mixed_samples(log, 0)
-    dataset = load_script(CLASSIFIER).build_datasets(load_script(CLASSIFIER).parse_args(args))[0]
+    dataset = load_script(CLASSIFIER).build_datasets(load_script(CLASSIFIER).parse_args(args), None, None)[0]
     model = tiny_cnn(4)
     model.load_state_dict(load_file(out / "model.safetensors"))
     model.train()  # as in training: BatchNorm normalises by each batch's statistics

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import REPO, launcher_args, results, run
-from image_data import CLASSES, draw_example
+from image_data import CLASSES, draw_example, make_split_image_folder
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -155,3 +155,18 @@ def test_parquet_shards_and_the_refusals(tmp_path):
     no_eval = run([*script, "--max_steps", "2", "--output_dir", tmp_path / "out2"], check=False)
     assert no_eval.returncode != 0
     assert "--streaming needs 'train' and 'validation' or 'test'" in no_eval.stdout + no_eval.stderr
+
+
+def test_an_image_folder_streams_split_between_processes(tmp_path):
+    """--data_dir DIR/train + DIR/val streams as one shard: each of 2 processes takes every 2nd image of the shuffled
+    stream, 6 each (3 batches of 2: 3 steps an epoch); an epoch reads each of the 12 training images exactly once."""
+    root = make_split_image_folder(tmp_path / "images", train_per_class=3, val_per_class=1)
+    keys = sorted(zlib.crc32(path.read_bytes()) for path in (root / "train").rglob("*.png"))
+    log, out = tmp_path / "log", tmp_path / "out"
+    launch_recorded(["--data_dir", root, "--max_steps", 3, "--output_dir", out], log, 2)
+    r = results(out)
+    assert (r["global_step"], r["epochs"], r["samples_seen"], r["eval_samples"]) == (3, 1, 12, 4)
+    assert r["class_names"] == sorted(CLASSES)
+    reads = fetched(log, 2)
+    assert [len(reads[0, rank]) for rank in range(2)] == [6, 6]
+    assert sorted(reads[0, 0] + reads[0, 1]) == keys
