@@ -85,14 +85,15 @@ class TrainingProgress:
     samples_seen: int = 0  # training samples processed over the whole run
     samples_in_epoch: int = 0  # of those, in the epoch in progress
     epoch_loss_sum: float = 0.0  # sum of the per-sample training losses of the epoch in progress
-    # and of their accuracies (RunningLoss); None: resumed mid-epoch from a checkpoint saved before it was kept
-    epoch_accuracy_sum: float | None = 0.0
     optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
     num_processes: int = 1  # of the run that saved it
     global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
     best_epoch: int = -1  # --metric_for_best: the epoch of the best evaluation so far (-1: none yet)
     best_metric: float | None = None  # and its value
-    # Added later (ADDED_FIELDS): a checkpoint saved before them loads with these defaults
+    # Added later (ADDED_FIELDS): a checkpoint saved before them loads without them (read_training_state)
+    # the per-sample training accuracies of the epoch in progress (RunningLoss); None: resumed mid-epoch from a
+    # checkpoint saved before they were summed
+    epoch_accuracy_sum: float | None = 0.0
     best_step: int = -1  # the optimizer step after which the best evaluation was (-1: none yet, or not recorded)
     evaluations_without_improvement: int = 0  # since the best one (--early_stopping_patience counts them)
     logging_loss_sum: float = 0.0  # --logging_steps: the per-sample training losses since the last log
@@ -146,7 +147,8 @@ class TrainingProgress:
         return means
 
 
-ADDED_FIELDS = ("best_step", "evaluations_without_improvement", "logging_loss_sum", "logging_samples")
+ADDED_FIELDS = ("epoch_accuracy_sum", "best_step", "evaluations_without_improvement", "logging_loss_sum",
+                "logging_samples")
 
 
 def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
@@ -438,13 +440,14 @@ def read_training_state(checkpoint) -> TrainingProgress:
     except (OSError, ValueError) as err:
         raise UserError(f"{path} is unreadable ({type(err).__name__}); resume from another checkpoint") from None
     fields = {field.name for field in dataclasses.fields(TrainingProgress)}
-    if isinstance(saved, dict) and "epoch_accuracy_sum" not in saved:  # saved before the accuracy was kept
-        saved["epoch_accuracy_sum"] = 0.0 if saved.get("samples_in_epoch") == 0 else None
     if not isinstance(saved, dict) or not fields - set(ADDED_FIELDS) <= set(saved) <= fields:
         raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
                         f"checkpoint written by these scripts, or start afresh in another --output_dir") from None
+    # The fields an older checkpoint lacks, where their defaults would be wrong (the others take them):
+    if "epoch_accuracy_sum" not in saved and saved["samples_in_epoch"] > 0:
+        saved["epoch_accuracy_sum"] = None  # part of the epoch went unsummed: its accuracy is unknown
     if "evaluations_without_improvement" not in saved and saved["best_epoch"] >= 0:
-        # saved before it was counted, by a run that evaluated after every epoch: the epochs ended since the best
+        # by a run that evaluated after every epoch: the epochs ended since the best
         saved["evaluations_without_improvement"] = saved["epoch"] - 1 - saved["best_epoch"]
     return TrainingProgress(**saved)
 

@@ -7,6 +7,7 @@ stays uint8 up to the device, a quarter of float32's bytes, and `normalise_on_de
 there. scripts/benchmark_data.py measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipeline).
 """
 
+import contextlib
 import functools
 import io
 from pathlib import Path
@@ -319,7 +320,7 @@ class TransformedImages(torch.utils.data.Dataset):
 
     def source_of(self, index) -> str:
         """The file (or dataset row) an image comes from."""
-        return self.dataset[index][self.image_column].get("path") or f"image {index} of the dataset"
+        return _source_of(self.dataset[index][self.image_column], index)
 
     def file_of(self, index):
         """The file the image is read from, or None where the data set holds the image's bytes."""
@@ -351,7 +352,12 @@ class TransformedImages(torch.utils.data.Dataset):
     def _sample(self, index, image, label):
         # image: {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
         data = image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes()
-        return decode_and_transform(data, self.transform, [self.seed, self.epoch, index], self.source_of(index)), label
+        seed_entropy = [self.seed, self.epoch, index]
+        return decode_and_transform(data, self.transform, seed_entropy, _source_of(image, index)), label
+
+
+def _source_of(image: dict, index: int) -> str:
+    return image.get("path") or f"image {index} of the dataset"
 
 
 def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str) -> torch.Tensor:
@@ -363,9 +369,15 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
     except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
         raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy and "
                         f"continue with --resume_from_checkpoint latest, or delete it and start again") from None
-    sample_seed = np.random.SeedSequence(seed_entropy).generate_state(1)[0]
-    with torch.random.fork_rng(devices=[]):  # torchvision's random transforms use the global CPU RNG
-        # the CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording a stack
-        # trace each time (0.2 ms, a tenth of an image's whole cost)
-        torch.default_generator.manual_seed(int(sample_seed))
+    with cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0])):
         return transform(pixels)
+
+
+@contextlib.contextmanager
+def cpu_generator_seeded(seed: int):
+    """Inside the block, the global CPU generator (which torchvision's random transforms draw from) seeded with `seed`;
+    after it, as it was. The CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording
+    a stack trace each time (0.2 ms, a tenth of an image's whole cost)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield

@@ -107,8 +107,9 @@ class StreamedImages(torch.utils.data.IterableDataset):
             yield self.transformed(data, image.get("path")), self.class_id(example[self.label_column])
 
     def transformed(self, data: bytes, path=None) -> torch.Tensor:
-        source = path or f"an image of the stream (CRC-32 {zlib.crc32(data):08x})"
-        return decode_and_transform(data, self.transform, [self.seed, self.epoch, zlib.crc32(data)], source)
+        key = zlib.crc32(data)
+        source = path or f"an image of the stream (CRC-32 {key:08x})"
+        return decode_and_transform(data, self.transform, [self.seed, self.epoch, key], source)
 
     def class_id(self, label) -> int:
         if self.label_ids is None:
