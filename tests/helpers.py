@@ -107,6 +107,20 @@ def results(output_dir) -> dict:
     return json.loads((Path(output_dir) / "results.json").read_text())
 
 
+def snapshot(folder) -> dict:
+    """Every file under `folder`, by relative path, with its bytes: what "nothing was written" compares."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def tensorboard_scalars(folder, tag: str) -> list:
+    """(step, value) of each TensorBoard scalar `tag` a run logged into `folder` (OUTPUT_DIR/<init_trackers' name>)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder))
+    accumulator.Reload()
+    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
+
+
 def error_lines(proc) -> list:
     """Our one-line error messages (accelerate's launcher adds its own report after them)."""
     return [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("error: ")]

@@ -18,6 +18,7 @@ from helpers import (
     launcher_args,
     results,
     run,
+    tensorboard_scalars,
     wait_for_path,
 )
 from image_data import (
@@ -104,14 +105,11 @@ def test_train_val_layout_one_process_learns_and_reports_everything(trained_spli
 
 
 def test_with_tracking_writes_tensorboard_scalars(trained_split_1proc):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(trained_split_1proc / "train_image_classifier"))
-    accumulator.Reload()
-    accuracy = accumulator.Scalars("eval_accuracy")
-    assert [e.step for e in accuracy] == [15, 30]
-    assert accuracy[-1].value == pytest.approx(results(trained_split_1proc)["eval_accuracy"])
-    assert accumulator.Scalars("current_learning_rate")[-1].value == pytest.approx(0.0, abs=1e-9)  # cosine ends at 0
+    tracked = trained_split_1proc / "train_image_classifier"
+    accuracy = tensorboard_scalars(tracked, "eval_accuracy")
+    assert [step for step, _ in accuracy] == [15, 30]
+    assert accuracy[-1][1] == pytest.approx(results(trained_split_1proc)["eval_accuracy"])
+    assert tensorboard_scalars(tracked, "current_learning_rate")[-1][1] == pytest.approx(0.0, abs=1e-9)  # cosine: 0
 
 
 def test_single_folder_layout_two_processes_learn_with_identical_replicas(trained_flat_2proc):

@@ -6,7 +6,7 @@ own eval_results.json about the checkpoint it evaluated, never the training run'
 import json
 import re
 
-from helpers import REPO, assert_clean_user_error, error_lines, launch, results
+from helpers import REPO, assert_clean_user_error, error_lines, launch, results, snapshot
 from image_data import make_split_image_folder
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -17,11 +17,6 @@ FAST_CLASSIFIER = ["--model", "resnet18", "--image_size", "32", "--stem", "image
 
 def read_json(path) -> dict:
     return json.loads(path.read_text())
-
-
-def snapshot(folder) -> dict:
-    """Every file under `folder`, by relative path, with its bytes: what "nothing was written" compares."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):

@@ -12,7 +12,7 @@ import shutil
 from argparse import Namespace
 
 import pytest
-from helpers import REPO, launch, make_synthetic_mnist, results
+from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
 
 from utils.checkpoints import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
@@ -31,19 +31,6 @@ def logged(output: str) -> list:
     """The (step or epoch, number, metrics) lines the run logged, in order, with their exact values."""
     return [(kind, int(n), ast.literal_eval(metrics)) for line in output.splitlines()
             for kind, n, metrics in [m.groups() for m in [LOGGED.search(line)] if m]]
-
-
-def scalars(folder, tag: str) -> list:
-    """(step, value) of a TensorBoard scalar the run logged."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(folder))
-    accumulator.Reload()
-    return [(event.step, event.value) for event in accumulator.Scalars(tag)]
-
-
-def snapshot(folder) -> dict:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +99,7 @@ def test_max_steps_ends_inside_an_epoch_with_the_schedule_and_a_final_evaluation
 def test_eval_steps_evaluates_every_n_steps_and_at_the_end_with_best_kept_by_step(seven_steps):
     out, log = seven_steps
     r = results(out)
-    eval_loss = scalars(out / "train_mnist", "eval_loss")
+    eval_loss = tensorboard_scalars(out / "train_mnist", "eval_loss")
     assert [step for step, _ in eval_loss] == [3, 6, 7]  # every 3 steps, and after the last one
     assert r["eval_loss"] == pytest.approx(eval_loss[-1][1])  # results.json: the last evaluation's
     best_step, best = min(eval_loss, key=lambda record: record[1])
@@ -123,7 +110,7 @@ def test_eval_steps_evaluates_every_n_steps_and_at_the_end_with_best_kept_by_ste
     if best_step == 7:  # then best/ holds the final weights
         assert (out / "best" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     # the end of the epoch 0 (step 4) logs its training metrics, without an evaluation
-    assert [step for step, _ in scalars(out / "train_mnist", "train_loss")] == [4, 7]
+    assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "train_loss")] == [4, 7]
 
 
 def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(seven_steps, digits, tmp_path):
@@ -134,7 +121,7 @@ def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(sev
             "--batch_size", "8", "--max_steps", "7", "--lr_scheduler_type", "linear", "--with_tracking"],
            num_processes=2)
     assert (out / "model.safetensors").read_bytes() == (seven_steps[0] / "model.safetensors").read_bytes()
-    assert [step for step, _ in scalars(out / "train_mnist", "eval_loss")] == [4, 7]
+    assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "eval_loss")] == [4, 7]
     r, evaluated_by_steps = results(out), results(seven_steps[0])
     assert (r["global_step"], r["train_loss"]) == (7, evaluated_by_steps["train_loss"])
     assert r["eval_loss"] == evaluated_by_steps["eval_loss"]  # both evaluated the final weights
@@ -145,12 +132,12 @@ def test_logging_steps_logs_the_exact_mean_training_loss_of_its_steps(seven_step
     lines = logged(log)
     losses = {n: metrics["loss"] for kind, n, metrics in lines if kind == "step" and "loss" in metrics}
     assert sorted(losses) == [2, 4, 6]
-    assert [step for step, _ in scalars(out / "train_mnist", "loss")] == [2, 4, 6]
-    assert [step for step, _ in scalars(out / "train_mnist", "learning_rate")] == [2, 4, 6]
+    assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "loss")] == [2, 4, 6]
+    assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "learning_rate")] == [2, 4, 6]
     # steps 1-2 and 3-4 are epoch 0, 16 samples each: their mean is the epoch's exact training loss
     epoch_0 = next(metrics for kind, n, metrics in lines if kind == "epoch" and n == 0)
     assert (losses[2] + losses[4]) / 2 == pytest.approx(epoch_0["train_loss"], rel=1e-12)
-    assert scalars(out / "train_mnist", "loss")[0][1] == pytest.approx(losses[2], rel=1e-6)
+    assert tensorboard_scalars(out / "train_mnist", "loss")[0][1] == pytest.approx(losses[2], rel=1e-6)
 
 
 def test_a_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_one(seven_steps, digits, tmp_path):
@@ -203,7 +190,7 @@ def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_sam
                    "--metric_for_best", "eval_accuracy", "--early_stopping_patience", "2", "--logging_steps", "2",
                    "--with_tracking"], num_processes=2, script=CLASSIFIER)
     r = results(out)
-    accuracy = scalars(out / "train_image_classifier", "eval_accuracy")
+    accuracy = tensorboard_scalars(out / "train_image_classifier", "eval_accuracy")
     best, without_improvement, stop = None, 0, None
     for step, value in accuracy:
         if best is None or (value > best if HIGHER_IS_BETTER["eval_accuracy"] else value < best):
@@ -218,4 +205,5 @@ def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_sam
     assert (r["epochs"], r["max_steps"], r["steps_per_epoch"], r["eval_samples"]) == (3, 12, 4, 1)
     assert len(set(r["parameter_fingerprints"])) == 1  # both processes stopped after the same step
     assert "Stopping early: eval_accuracy has not improved for 2 evaluations" in proc.stderr
-    assert [step for step, _ in scalars(out / "train_image_classifier", "loss")] == list(range(2, stop + 1, 2))
+    logged_steps = [step for step, _ in tensorboard_scalars(out / "train_image_classifier", "loss")]
+    assert logged_steps == list(range(2, stop + 1, 2))
