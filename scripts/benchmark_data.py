@@ -45,6 +45,7 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, positive_float, positive_int, seed  # noqa: E402
 from utils.image_data import (  # noqa: E402
     TransformedImages,
+    collate_images,
     default_hflip,
     eval_transform,
     load_image_datasets,
@@ -57,6 +58,7 @@ PIPELINES = ("before", "reference", "decode_only", "ours")
 SPLITS = ("train", "eval")
 EVAL_FOLDERS = ("val", "validation")
 RATIOS = (("ours", "before"), ("ours", "decode_only"), ("reference", "before"))
+COLLATE_FNS = {"ours": collate_images}  # as the training script's loaders batch them; the others: default_collate
 
 
 def parse_args(argv=None):
@@ -215,11 +217,11 @@ class _Passes(torch.utils.data.Sampler):
         return itertools.cycle(range(self.length))
 
 
-def measure(dataset, num_workers: int, batch_size: int, seconds: float):
+def measure(dataset, num_workers: int, batch_size: int, seconds: float, collate_fn=None):
     """(images, seconds, CPU seconds of this process) of at least `seconds` of steady loading, worker start-up
     excluded."""
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=_Passes(len(dataset)),
-                                         num_workers=num_workers)
+                                         num_workers=num_workers, collate_fn=collate_fn)
     batches = iter(loader)
     # The workers start together, so their first batches arrive at once: skip one per worker and count
     # whole turns of the workers from there, or a batch made before the clock started would count.
@@ -244,7 +246,8 @@ def run_benchmark(args, pipelines) -> dict:
             for _ in range(args.rounds):
                 for name in PIPELINES:
                     progress.set_postfix_str(f"{split}/{num_workers} workers/{name}")
-                    result = measure(pipelines[name][split], num_workers, args.batch_size, args.seconds)
+                    result = measure(pipelines[name][split], num_workers, args.batch_size, args.seconds,
+                                     COLLATE_FNS.get(name))
                     runs.setdefault((name, split, num_workers), []).append(result)
                     progress.update(1)
     return runs

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from
 from utils.data import normalise_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
-from utils.image_data import autocast_dtype, normalise_on_device  # noqa: E402
+from utils.image_data import autocast_dtype, collate_images, normalise_on_device  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.predictions import (  # noqa: E402
     WEIGHT_FILES,
@@ -144,8 +144,8 @@ def main(args):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     num_workers = args.num_workers if args.num_workers is not None else 0 if trained.is_mnist else default_num_workers()
-    dataloader = DataLoader(batches, batch_size=args.batch_size, num_workers=num_workers,
-                            pin_memory=accelerator.device.type == "cuda")
+    dataloader = DataLoader(batches, batch_size=args.batch_size, num_workers=num_workers, collate_fn=collate_images,
+                            pin_memory=accelerator.device.type == "cuda")  # channels-last uint8 batches, as in training
     dataloader = accelerator.prepare(dataloader)  # [accelerate] process k takes batches k, k+N, ..., on its device
     top_k = min(args.top_k, len(trained.class_names))
     columns = ([], [], [], [], [])  # positions, unreadable flags, labels, top-k class ids, their probabilities

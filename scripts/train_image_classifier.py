@@ -66,6 +66,7 @@ from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.image_data import (  # noqa: E402
     TransformedImages,
     autocast_dtype,
+    collate_images,
     default_hflip,
     device_normaliser,
     eval_transform,
@@ -325,10 +326,12 @@ def build_image_model(args, num_classes: int, device):
 
 def loader_options(args, accelerator) -> dict:
     """DataLoader options: --batch_size (per process); --num_workers processes that stay up between epochs and ignore
-    --save_on_signal's signals (the training processes handle them); pinned memory for faster copies to a GPU."""
+    --save_on_signal's signals (the training processes handle them); uint8 batches stacked channels-last, as the
+    workers resize them (collate_images); pinned memory for faster copies to a GPU."""
     pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
     return {"batch_size": args.batch_size, "num_workers": args.num_workers, "persistent_workers": args.num_workers > 0,
-            "pin_memory": pin_memory, "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
+            "collate_fn": collate_images, "pin_memory": pin_memory,
+            "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
 
 
 def describe_model(args, accelerator, model, class_names, train_dataset) -> dict:

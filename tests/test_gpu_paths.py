@@ -129,15 +129,19 @@ def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_the_uint8_batch_becomes_the_fp16_channels_last_input_on_the_gpu_in_one_copy(dtype):
-    """The image script's device-side normalisation (utils/image_data.py): the only new memory is the output."""
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "contiguous"])
+def test_the_uint8_batch_becomes_the_mixed_precision_input_on_the_gpu_in_one_copy(dtype, channels_last):
+    """The image script's device-side normalisation (utils/image_data.py) of a batch as the workers stack it
+    (collate_images: channels-last uint8): the only new memory is the output, in the layout the model wants."""
     batch = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    batch = batch.contiguous(memory_format=torch.channels_last)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    images = normalise_on_device(batch, dtype, channels_last=True)
+    images = normalise_on_device(batch, dtype, channels_last=channels_last)
     torch.cuda.synchronize()
-    assert images.dtype == dtype and images.is_contiguous(memory_format=torch.channels_last)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    assert images.dtype == dtype and images.is_contiguous(memory_format=layout)
     output_bytes = images.numel() * images.element_size()
     assert torch.cuda.max_memory_allocated() - before <= output_bytes + 64 * 1024  # + mean and std: 2 x 3 values
     torch.testing.assert_close(images.float().cpu(), normalise_on_device(batch.cpu()), rtol=0, atol=0.05)

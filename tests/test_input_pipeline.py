@@ -16,10 +16,12 @@ from utils.image_data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     TransformedImages,
+    collate_images,
     decode_rgb,
     eval_transform,
     load_image_datasets,
     normalise_on_device,
+    reduction_for,
     train_transform,
 )
 
@@ -156,17 +158,85 @@ def test_the_evaluation_crop_is_cut_out_where_resize_then_center_crop_puts_it(he
     assert difference[2].gt(64).float().mean() < 0.01
 
 
-def test_the_recipes_draw_and_crop_exactly_as_v2_compose_of_the_same_transforms():
+def test_the_recipes_draw_and_crop_exactly_as_the_v2_transforms_they_stand_for():
     pixels = decode_rgb(encoded(SMOOTH.resize((80, 60)), "PNG"))
-    for transform in (train_transform(32, "imagenet"), train_transform(32, "small", hflip=True),
-                      train_transform(32, "none"), eval_transform(32, "small")):
-        compose = v2.Compose(transform.transforms)
+    whole, flip = v2.Resize((32, 32), antialias=True), v2.RandomHorizontalFlip()
+    small = [whole, v2.RandomAffine(degrees=0, scale=(0.9, 1.1)), v2.RandomCrop(32, padding=4, padding_mode="reflect")]
+    recipes = [(train_transform(32, "imagenet"), [v2.RandomResizedCrop(32, antialias=True), flip]),
+               (train_transform(32, "imagenet", hflip=False), [v2.RandomResizedCrop(32, antialias=True)]),
+               (train_transform(32, "small", hflip=True), [*small, flip]), (train_transform(32, "none"), [whole, flip]),
+               (eval_transform(32, "small"), [whole])]
+    for transform, reference in recipes:
         for seed in range(20):
             torch.manual_seed(seed)
             out, next_draw = transform(pixels), torch.rand(1)
             torch.manual_seed(seed)
-            assert torch.equal(out, compose(pixels)), (transform, seed)
+            assert torch.equal(out, v2.Compose(reference)(pixels)), (transform, seed)
             assert torch.rand(1) == next_draw  # as many draws: the samples after it see the same numbers too
+
+
+def recorded_decodes(data: bytes, reductions: list):
+    """decode_rgb for _TensorCompose.apply_to_file, noting each reduction asked for."""
+    def decode(reduction):
+        reductions.append(reduction)
+        return decode_rgb(data, reduction)
+    return decode
+
+
+def photo(height: int, width: int) -> Image.Image:
+    """Smooth colour ramps with some texture at the scale of a few pixels, as photos have."""
+    rows, columns = np.mgrid[0:height, 0:width]
+    texture = 20 * np.sin(rows / 3.0) * np.cos(columns / 4.0)
+    channels = [rows * 200 / height + texture, columns * 200 / width - texture, (rows + columns) * 100 / (height + width)]
+    return Image.fromarray(np.clip(np.stack(channels, axis=-1) + 30, 0, 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("name, transform, reduction", [
+    ("train small 32", train_transform(32, "small"), 8),  # the whole 640x480 image: 80x60 at 1/8 still covers 32x32
+    ("eval small 64", eval_transform(64, "small"), 4),
+    ("eval imagenet 128", eval_transform(128, "imagenet"), 2),  # the central 421x421 of 480: 210 at 1/2, 105 at 1/4
+    ("train imagenet 224", train_transform(224, "imagenet"), None),  # random crops: 1 or 2 as the crop allows
+])
+def test_a_jpeg_is_decoded_at_the_smallest_scale_its_region_allows_with_the_same_draws_and_nearly_the_same_pixels(
+        name, transform, reduction):
+    data = encoded(photo(480, 640), "JPEG", quality=90)
+    for seed in range(12):
+        torch.manual_seed(seed)
+        reductions = []
+        out, next_draw = transform.apply_to_file(data, recorded_decodes(data, reductions)), torch.rand(1)
+        torch.manual_seed(seed)
+        full = transform(decode_rgb(data))  # the whole image decoded, then the same steps
+        assert torch.rand(1) == next_draw, (name, seed)  # the same draws: the region came from the header's size
+        assert len(reductions) == 1 and reductions[0] in ((reduction,) if reduction else (1, 2)), (name, reductions)
+        difference = (out.int() - full.int()).abs().float()
+        if reductions[0] == 1:
+            assert torch.equal(out, full), (name, seed)
+        else:  # libjpeg-turbo's reduced inverse DCT averages the pixels a resize would: a level or two apart
+            assert out.shape == full.shape and difference.mean() < 2.5 and difference.max() < 40, (name, seed)
+
+
+def test_the_reduction_leaves_the_region_at_least_the_output_size_and_a_photo_at_224_is_decoded_whole():
+    region = {"top": 0, "left": 0, "height": 480, "width": 640}
+    assert [reduction_for(region, (size, size)) for size in (32, 60, 61, 119, 120, 121, 240, 241, 480)] == [
+        8, 8, 4, 4, 4, 2, 2, 1, 1]
+    assert reduction_for({**region, "height": 100}, (32, 32)) == 2  # the shorter side decides
+    data, transform = encoded(photo(375, 500), "JPEG"), train_transform(224, "imagenet")
+    for seed in range(20):  # a photo of ImageNet's usual size: no random crop of it is twice 224 on both sides
+        torch.manual_seed(seed)
+        reductions = []
+        transform.apply_to_file(data, recorded_decodes(data, reductions))
+        assert reductions == [1]
+
+
+def test_batches_are_stacked_channels_last_with_the_values_default_collate_gives():
+    images = [eval_transform(16, "imagenet")(decode_rgb(encoded(PHOTO, "JPEG"))) for _ in range(3)]
+    samples = [(image, label, torch.tensor([0.25, 0.75]), 7) for label, image in enumerate(images)]  # predict's 4
+    batch, expected = collate_images(samples), torch.utils.data.default_collate(samples)
+    assert batch[0].shape == (3, 3, 16, 16) and batch[0].is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(batch, expected, strict=True))
+    # the model's input is what a contiguous batch gives: normalise_on_device writes the layout asked for
+    plain = normalise_on_device(batch[0])
+    assert plain.is_contiguous() and torch.equal(plain, normalise_on_device(expected[0]))
 
 
 def test_folders_of_mixed_formats_and_modes_give_uint8_items_and_a_corrupt_file_is_named(tmp_path):

@@ -140,7 +140,7 @@ def train_transform(image_size: int, recipe: str = "imagenet", hflip: bool = Tru
     CIFAR recipes; a random crop of 8% of a 32-pixel image would leave a few pixels. none: the image resized."""
     from torchvision.transforms import v2
     if recipe == "imagenet":
-        geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
+        geometry = [RandomResizedCrop(image_size)]
     elif recipe == "small":
         geometry = [_whole_image(image_size), v2.RandomAffine(degrees=0, scale=(0.9, 1.1)),
                     v2.RandomCrop(image_size, padding=image_size // 8, padding_mode="reflect")]
@@ -157,41 +157,90 @@ def eval_transform(image_size: int, recipe: str = "imagenet"):
     return _uint8_image(_whole_image(image_size))
 
 
-class CentralCropResized:
+def _resized_crop(image: torch.Tensor, params: dict, size) -> torch.Tensor:
+    """The region `params` (top, left, height, width) of a (3, H, W) uint8 image resized to `size`, antialiased.
+
+    The region is copied to contiguous (H, W, 3) memory first: torch's uint8 resize reads that layout at full speed,
+    and a strided view of the image at a third more cost than the copy and the resize together."""
+    from torchvision.transforms import v2
+    top, left, height, width = params["top"], params["left"], params["height"], params["width"]
+    crop = image[:, top:top + height, left:left + width].permute(1, 2, 0).contiguous().permute(2, 0, 1)
+    return v2.functional.resize(crop, list(size), antialias=True)
+
+
+class _RegionResized:
+    """A first step that resizes one region of the image, (top, left, height, width) from make_params, to `size`,
+    antialiased (_resized_crop). The region depends on the image's size only: decode_and_transform draws it from a
+    JPEG's header and decodes no more pixels than the region needs (_TensorCompose.apply_to_file)."""
+
+    size: tuple
+
+    def make_params(self, flat_inputs) -> dict:
+        return self.region(*flat_inputs[0].shape[-2:])
+
+    def region(self, height: int, width: int) -> dict:
+        raise NotImplementedError
+
+    def transform(self, image, params):
+        return _resized_crop(image, params, self.size)
+
+    def __call__(self, image):  # as a v2 transform is called, so that v2.Compose can hold it
+        return self.transform(image, self.make_params([image]))
+
+
+class RandomResizedCrop(_RegionResized):
+    """v2.RandomResizedCrop(size, antialias=True): its own draws, the same pixels."""
+
+    def __init__(self, size: int):
+        from torchvision.transforms import v2
+        self.draws, self.size = v2.RandomResizedCrop(size, antialias=True), (size, size)
+
+    def region(self, height, width):
+        # v2 reads only the size of what it is given: a tensor of that shape over one byte of memory
+        return self.draws.make_params([torch.empty(1, dtype=torch.uint8).expand(3, height, width)])
+
+    def __repr__(self):
+        return f"{type(self).__name__}(size={self.size[0]})"
+
+
+class CentralCropResized(_RegionResized):
     """v2.Resize(resize_to) then v2.CenterCrop(size) as one step: the part of the image that the central crop shows
     (the same, to the nearest pixel of the image) is cut out first and only it is resized, a quarter to a half less
-    resizing work.
-
-    The crop is copied to contiguous (H, W, 3) memory before the resize: torch's uint8 resize reads that layout at
-    full speed, and a strided view of the image at about the cost of the copy again."""
+    resizing work."""
 
     def __init__(self, size: int, resize_to: int):
-        self.size, self.resize_to = size, resize_to
+        self.size, self.resize_to = (size, size), resize_to
 
-    def make_params(self, flat_inputs):
-        height, width = flat_inputs[0].shape[-2:]
+    def region(self, height, width):
+        size = self.size[0]
         # the resized image's sides and the crop's corner in it, as v2.Resize and v2.CenterCrop compute them
         longer = int(self.resize_to * max(height, width) / min(height, width))
         resized_height, resized_width = (self.resize_to, longer) if height <= width else (longer, self.resize_to)
-        top, left = round((resized_height - self.size) / 2), round((resized_width - self.size) / 2)
+        top, left = round((resized_height - size) / 2), round((resized_width - size) / 2)
         scale_y, scale_x = height / resized_height, width / resized_width  # back in the image's pixels
         top, left = round(top * scale_y), round(left * scale_x)
-        return {"top": top, "left": left, "height": min(round(self.size * scale_y), height - top),
-                "width": min(round(self.size * scale_x), width - left)}
-
-    def transform(self, image, params):
-        from torchvision.transforms import v2
-        top, left, height, width = params["top"], params["left"], params["height"], params["width"]
-        crop = image[:, top:top + height, left:left + width].permute(1, 2, 0).contiguous().permute(2, 0, 1)
-        return v2.functional.resize(crop, [self.size, self.size], antialias=True)
+        return {"top": top, "left": left, "height": min(round(size * scale_y), height - top),
+                "width": min(round(size * scale_x), width - left)}
 
     def __repr__(self):
-        return f"{type(self).__name__}(size={self.size}, resize_to={self.resize_to})"
+        return f"{type(self).__name__}(size={self.size[0]}, resize_to={self.resize_to})"
+
+
+class WholeImageResized(_RegionResized):
+    """v2.Resize((size, size), antialias=True): the whole image, squeezed to a square, the same pixels."""
+
+    def __init__(self, size: int):
+        self.size = (size, size)
+
+    def region(self, height, width):
+        return {"top": 0, "left": 0, "height": height, "width": width}
+
+    def __repr__(self):
+        return f"{type(self).__name__}(size={self.size[0]})"
 
 
 def _whole_image(image_size: int):
-    from torchvision.transforms import v2
-    return v2.Resize((image_size, image_size), antialias=True)  # no crop: non-square images are squeezed
+    return WholeImageResized(image_size)  # no crop: non-square images are squeezed
 
 
 def _uint8_image(*geometry):
@@ -211,8 +260,26 @@ class _TensorCompose:
         self.transforms = list(transforms)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
+        return self._apply(self.transforms, image)
+
+    def apply_to_file(self, data: bytes, decode) -> torch.Tensor:
+        """The steps applied to the image file `data`, decoded by `decode(reduction)` (decode_rgb's). Where the first
+        step resizes a region (_RegionResized) of a JPEG, the region is drawn from the header's size, before decoding,
+        and the JPEG decoded at 1/2, 1/4 or 1/8 of its size where the region stays at least the output's size there:
+        libjpeg-turbo's scaled decoding does a quarter of the work at 1/2 and less below. The same draws, in the same
+        order, as decoding first; the pixels of a scaled decode differ from a full one's by a level or two."""
+        first = self.transforms[0]
+        size = jpeg_size(data) if isinstance(first, _RegionResized) else None
+        if size is None:
+            return self(decode(1))
+        region = first.region(*size)
+        image = decode(reduction_for(region, first.size))
+        return self._apply(self.transforms[1:], first.transform(image, _region_scaled(region, size, image.shape[1:])))
+
+    @staticmethod
+    def _apply(transforms, image):
         from torchvision.transforms import v2
-        for transform in self.transforms:
+        for transform in transforms:
             if isinstance(transform, v2.RandomHorizontalFlip):
                 if torch.rand(1) < transform.p:
                     image = transform.transform(image, {})
@@ -222,6 +289,38 @@ class _TensorCompose:
 
     def __repr__(self):
         return "\n".join([f"{type(self).__name__}(", *(f"    {t}" for t in self.transforms), ")"])
+
+
+# libjpeg-turbo decodes at 1/2, 1/4 and 1/8 with its fast (SIMD) inverse DCTs; its other scales (3/8, 5/8...) take
+# longer than a full decode on photos
+JPEG_REDUCTIONS = (8, 4, 2)
+
+
+def reduction_for(region: dict, size) -> int:
+    """The largest of JPEG_REDUCTIONS that leaves `region` (top, left, height, width) at least `size` (height, width),
+    or 1: the image is then resized down as much as before, never up."""
+    return next((r for r in JPEG_REDUCTIONS if region["height"] >= r * size[0] and region["width"] >= r * size[1]), 1)
+
+
+def _region_scaled(region: dict, size, shape) -> dict:
+    """`region` of an image of `size` (height, width) in the pixels of the same image decoded at `shape`, within it."""
+    scale_y, scale_x = shape[0] / size[0], shape[1] / size[1]
+    top, left = min(round(region["top"] * scale_y), shape[0] - 1), min(round(region["left"] * scale_x), shape[1] - 1)
+    return {"top": top, "left": left, "height": max(1, min(round(region["height"] * scale_y), shape[0] - top)),
+            "width": max(1, min(round(region["width"] * scale_x), shape[1] - left))}
+
+
+def jpeg_size(data: bytes):
+    """(height, width) of a JPEG that decode_rgb decodes with simplejpeg (stored upright), from its header; None for
+    other files, and where the header does not read (decoding then names the problem)."""
+    import simplejpeg
+    if not _is_upright_jpeg(data):
+        return None
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    return height, width
 
 
 def autocast_dtype(mixed_precision: str) -> torch.dtype:
@@ -245,30 +344,51 @@ def device_normaliser(dtype=torch.float32, channels_last: bool = False):
     return functools.partial(normalise_on_device, dtype=dtype, channels_last=channels_last)
 
 
-def decode_rgb(data: bytes) -> torch.Tensor:
+def collate_images(samples: list):
+    """default_collate of (image, label, ...) samples, the (3, H, W) uint8 images stacked into a channels-last batch:
+    (N, 3, H, W) over (N, H, W, 3) memory, the layout the workers' resize gives them in, so stacking is one plain copy
+    (into contiguous (N, 3, H, W) memory it costs a third of the resize). normalise_on_device writes the layout the
+    model wants, contiguous or channels-last, on the device."""
+    from torch.utils.data import default_collate
+    images, *rest = default_collate([(sample[0].permute(1, 2, 0), *sample[1:]) for sample in samples])
+    return [images.permute(0, 3, 1, 2), *rest]
+
+
+def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
     """An image file's bytes as a uint8 (3, H, W) RGB tensor: greyscale, palette, CMYK and RGBA become 3 channels.
 
     JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API, as PIL uses): a third
     less time than PIL here. With fastupsample, colour stored at half resolution (4:2:0, most photos) is repeated over
     its 2x2 pixels rather than blended with its neighbours: under a level (of 255) from PIL's pixels on average, for
-    6% less time; JPEGs with full-resolution colour give PIL's pixels exactly. PIL reads the rest (PNG, WebP, BMP,
-    TIFF) and the photos tagged as rotated, which it turns upright, as `datasets` does when it decodes. Both give
-    rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the channels-last layout in which
-    torch's uint8 resize is fastest.
+    6% less time; JPEGs with full-resolution colour give PIL's pixels exactly. `reduction` (2, 4 or 8): such a JPEG
+    decoded at that fraction of its size, rounded up (libjpeg-turbo's scaled decoding). PIL reads the rest (PNG, WebP,
+    BMP, TIFF) and the photos tagged as rotated, which it turns upright, as `datasets` does when it decodes, at full
+    size. Both give rows of RGB pixels, so the tensor is a (3, H, W) view of (H, W, 3) memory, the channels-last
+    layout in which torch's uint8 resize is fastest.
     """
     import simplejpeg
     from PIL import Image, ImageOps
 
     pixels = None
-    if data[:3] == b"\xff\xd8\xff" and _jpeg_orientation(data) == 1:  # a JPEG stored upright
+    if _is_upright_jpeg(data):
         try:
-            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastupsample=True)
+            scaled = {}
+            if reduction > 1:
+                height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+                scaled = {"min_height": -(-height // reduction), "min_width": -(-width // reduction),
+                          "min_factor": reduction}
+            pixels = simplejpeg.decode_jpeg(data, colorspace="RGB", fastupsample=True, **scaled)
         except ValueError:  # damaged, or a JPEG flavour TurboJPEG does not read: PIL decides which
             pass
     if pixels is None:
         with Image.open(io.BytesIO(data)) as image:
             pixels = np.array(ImageOps.exif_transpose(image).convert("RGB"))
     return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def _is_upright_jpeg(data: bytes) -> bool:
+    """A JPEG stored the way up it is shown (no EXIF or XMP orientation to apply): what simplejpeg decodes."""
+    return data[:3] == b"\xff\xd8\xff" and _jpeg_orientation(data) == 1
 
 
 def _jpeg_orientation(data: bytes):
@@ -351,9 +471,15 @@ class TransformedImages(torch.utils.data.Dataset):
 
     def _sample(self, index, image, label):
         # image: {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
-        data = image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes()
+        data = image["bytes"] if image["bytes"] is not None else read_file(image["path"])
         seed_entropy = [self.seed, self.epoch, index]
         return decode_and_transform(data, self.transform, seed_entropy, _source_of(image, index)), label
+
+
+def read_file(path: str) -> bytes:
+    """The file's bytes: plain open() and read(), a third of pathlib's read_bytes() time for a photo."""
+    with open(path, "rb", buffering=0) as file:
+        return file.readall()
 
 
 def _source_of(image: dict, index: int) -> str:
@@ -364,13 +490,15 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
     """An image file's bytes decoded (decode_rgb) and transformed, the random augmentations drawn from a generator
     seeded by `seed_entropy` (seed, epoch, and what names the sample), so that a sample is augmented the same way
     wherever it is loaded. A file that does not decode: one line naming `source`."""
-    try:
-        pixels = decode_rgb(data)
-    except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-        raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy and "
-                        f"continue with --resume_from_checkpoint latest, or delete it and start again") from None
+    def decode(reduction: int) -> torch.Tensor:
+        try:
+            return decode_rgb(data, reduction)
+        except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
+            raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy "
+                            f"and continue with --resume_from_checkpoint latest, or delete it and start again") from None
+
     with cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0])):
-        return transform(pixels)
+        return transform.apply_to_file(data, decode)
 
 
 @contextlib.contextmanager
@@ -378,6 +506,10 @@ def cpu_generator_seeded(seed: int):
     """Inside the block, the global CPU generator (which torchvision's random transforms draw from) seeded with `seed`;
     after it, as it was. The CPU generator only: torch.manual_seed also queues a seed for every CUDA device, recording
     a stack trace each time (0.2 ms, a tenth of an image's whole cost)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
+    generator = torch.default_generator
+    state = generator.get_state()  # what fork_rng(devices=[]) keeps, without its checks: a third of its time
+    generator.manual_seed(seed)
+    try:
         yield
+    finally:
+        generator.set_state(state)

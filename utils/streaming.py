@@ -11,12 +11,11 @@ map-style dataset (it must be small enough for memory): exact, as without --stre
 """
 
 import zlib
-from pathlib import Path
 
 import torch
 
 from utils.errors import UserError, first_line
-from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform
+from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, read_file
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).
@@ -103,7 +102,7 @@ class StreamedImages(torch.utils.data.IterableDataset):
     def __iter__(self):
         for example in self.stream:
             image = example[self.image_column]  # {"bytes": ..., "path": ...}: bytes in parquet and tar files
-            data = image["bytes"] if image["bytes"] is not None else Path(image["path"]).read_bytes()
+            data = image["bytes"] if image["bytes"] is not None else read_file(image["path"])
             yield self.transformed(data, image.get("path")), self.class_id(example[self.label_column])
 
     def transformed(self, data: bytes, path=None) -> torch.Tensor:
