@@ -17,6 +17,7 @@ from utils.image_data import (
     IMAGENET_STD,
     TransformedImages,
     collate_images,
+    decode_and_transform,
     decode_rgb,
     eval_transform,
     load_image_datasets,
@@ -226,6 +227,18 @@ def test_the_reduction_leaves_the_region_at_least_the_output_size_and_a_photo_at
         reductions = []
         transform.apply_to_file(data, recorded_decodes(data, reductions))
         assert reductions == [1]
+
+
+def test_only_training_recipes_draw_random_numbers_so_evaluation_images_skip_the_seeding():
+    assert all(train_transform(32, recipe).draws_random_numbers for recipe in ("imagenet", "small", "none"))
+    assert train_transform(32, "none", hflip=False).draws_random_numbers is False
+    for recipe in ("imagenet", "small", "none"):
+        transform, data = eval_transform(32, recipe), encoded(photo(60, 80), "JPEG")
+        assert transform.draws_random_numbers is False
+        torch.manual_seed(0)
+        out, next_draw = decode_and_transform(data, transform, [1, 2, 3], "a photo"), torch.rand(1)
+        torch.manual_seed(0)
+        assert torch.rand(1) == next_draw and torch.equal(out, transform(decode_rgb(data)))
 
 
 def test_batches_are_stacked_channels_last_with_the_values_default_collate_gives():

@@ -258,6 +258,8 @@ class _TensorCompose:
 
     def __init__(self, transforms):
         self.transforms = list(transforms)
+        # evaluation's steps draw no random numbers: its images need no seeded generator
+        self.draws_random_numbers = not all(isinstance(t, (CentralCropResized, WholeImageResized)) for t in transforms)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return self._apply(self.transforms, image)
@@ -497,6 +499,8 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
             raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy "
                             f"and continue with --resume_from_checkpoint latest, or delete it and start again") from None
 
+    if not transform.draws_random_numbers:  # evaluation: the seeding would be a twentieth of an image's cost
+        return transform.apply_to_file(data, decode)
     with cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0])):
         return transform.apply_to_file(data, decode)
 
