@@ -340,7 +340,8 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(fo
             "--learning_rate", "1e-30", "--warmup_epochs", "0", "--label_smoothing", "0.1", *MIXING]
     launch_recorded(args, 1, log)
     trained = mixed_samples(log, 0)
-    dataset = load_script(CLASSIFIER).build_datasets(load_script(CLASSIFIER).parse_args(args), None, None)[0]
+    dataset = load_script(CLASSIFIER).build_datasets(load_script(CLASSIFIER).parse_args(args),
+                                                   accelerator=None, progress=None)[0]
     model = tiny_cnn(4)
     model.load_state_dict(load_file(out / "model.safetensors"))
     model.train()  # as in training: BatchNorm normalises by each batch's statistics

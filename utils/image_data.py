@@ -258,8 +258,11 @@ class _TensorCompose:
 
     def __init__(self, transforms):
         self.transforms = list(transforms)
-        # evaluation's steps draw no random numbers: its images need no seeded generator
-        self.draws_random_numbers = not all(isinstance(t, (CentralCropResized, WholeImageResized)) for t in transforms)
+
+    @property
+    def draws_random_numbers(self) -> bool:
+        """False for evaluation's steps: its images need no seeded generator."""
+        return not all(isinstance(t, (CentralCropResized, WholeImageResized)) for t in self.transforms)
 
     def __call__(self, image: torch.Tensor) -> torch.Tensor:
         return self._apply(self.transforms, image)
@@ -472,15 +475,17 @@ class TransformedImages(torch.utils.data.Dataset):
                 for index, image, label in zip(indices, rows[self.image_column], rows[self.label_column], strict=True)]
 
     def _sample(self, index, image, label):
-        # image: {"bytes": ..., "path": ...}: bytes for Hub data, a path for folders
-        data = image["bytes"] if image["bytes"] is not None else read_file(image["path"])
         seed_entropy = [self.seed, self.epoch, index]
-        return decode_and_transform(data, self.transform, seed_entropy, _source_of(image, index)), label
+        return decode_and_transform(image_bytes(image), self.transform, seed_entropy, _source_of(image, index)), label
 
 
-def read_file(path: str) -> bytes:
-    """The file's bytes: plain open() and read(), about half the time of pathlib's read_bytes() for a photo."""
-    with open(path, "rb", buffering=0) as file:
+def image_bytes(image: dict) -> bytes:
+    """The encoded bytes of a `datasets.Image(decode=False)` value, {"bytes": ..., "path": ...}: its own (Hub data,
+    parquet and tar files) or its file's (folders), read with a plain open() and read(), about half the time of
+    pathlib's read_bytes() for a photo."""
+    if image["bytes"] is not None:
+        return image["bytes"]
+    with open(image["path"], "rb", buffering=0) as file:
         return file.readall()
 
 
@@ -499,9 +504,10 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
             raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy "
                             f"and continue with --resume_from_checkpoint latest, or delete it and start again") from None
 
-    if not transform.draws_random_numbers:  # evaluation: the seeding would be a twentieth of an image's cost
-        return transform.apply_to_file(data, decode)
-    with cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0])):
+    # evaluation draws nothing: there the seeding would be a twentieth of an image's cost
+    seeded = (cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0]))
+              if transform.draws_random_numbers else contextlib.nullcontext())
+    with seeded:
         return transform.apply_to_file(data, decode)
 
 

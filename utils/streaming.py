@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from utils.errors import UserError, first_line
-from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, read_file
+from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, image_bytes
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).
@@ -102,8 +102,7 @@ class StreamedImages(torch.utils.data.IterableDataset):
     def __iter__(self):
         for example in self.stream:
             image = example[self.image_column]  # {"bytes": ..., "path": ...}: bytes in parquet and tar files
-            data = image["bytes"] if image["bytes"] is not None else read_file(image["path"])
-            yield self.transformed(data, image.get("path")), self.class_id(example[self.label_column])
+            yield self.transformed(image_bytes(image), image.get("path")), self.class_id(example[self.label_column])
 
     def transformed(self, data: bytes, path=None) -> torch.Tensor:
         key = zlib.crc32(data)
