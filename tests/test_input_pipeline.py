@@ -188,7 +188,8 @@ def photo(height: int, width: int) -> Image.Image:
     """Smooth colour ramps with some texture at the scale of a few pixels, as photos have."""
     rows, columns = np.mgrid[0:height, 0:width]
     texture = 20 * np.sin(rows / 3.0) * np.cos(columns / 4.0)
-    channels = [rows * 200 / height + texture, columns * 200 / width - texture, (rows + columns) * 100 / (height + width)]
+    diagonal = (rows + columns) * 100 / (height + width)
+    channels = [rows * 200 / height + texture, columns * 200 / width - texture, diagonal]
     return Image.fromarray(np.clip(np.stack(channels, axis=-1) + 30, 0, 255).astype(np.uint8))
 
 

@@ -502,7 +502,8 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
             return decode_rgb(data, reduction)
         except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
             raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy "
-                            f"and continue with --resume_from_checkpoint latest, or delete it and start again") from None
+                            f"and continue with --resume_from_checkpoint latest, or delete it and start "
+                            f"again") from None
 
     # evaluation draws nothing: there the seeding would be a twentieth of an image's cost
     seeded = (cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0]))
