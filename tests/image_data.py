@@ -98,6 +98,25 @@ def make_parquet_dataset(root: Path, train_per_class: int = 30, test_per_class: 
     return root
 
 
+def grid_cell_png(rng: np.random.Generator, cell: int, size: int = 16) -> bytes:
+    """A dark 16-px PNG with one bright 4x4 cell of a 4x4 grid, number `cell` (row by row), and faint noise (each image's
+    bytes unique): `pixel_linear` tells the cells apart within a few dozen steps."""
+    import io
+
+    pixels = rng.integers(0, 30, size=(size, size, 3), dtype=np.uint8)
+    side = size // 4
+    row, column = divmod(cell, 4)
+    pixels[row * side:(row + 1) * side, column * side:(column + 1) * side] = 230
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def pixel_linear(num_classes: int) -> nn.Module:
+    """`--model tests.image_data:pixel_linear`: one linear layer on the pixels of a 16-px image."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, num_classes))
+
+
 class ResNetWithUnusedHead(nn.Module):
     """resnet18 plus a second head that forward() never calls: DDP's classic unused-parameter case."""
 

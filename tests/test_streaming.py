@@ -6,6 +6,7 @@ an epoch ends with the uninterrupted run's weights, and evaluation stays exact.
 Images: 16 px, each unique (random noise), so that the CRC-32 of its file, which tests/sample_recorder.py logs, names it.
 """
 
+import csv
 import io
 import json
 import re
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, launcher_args, results, run
-from image_data import CLASSES, draw_example, make_split_image_folder
+from helpers import REPO, launch, launcher_args, results, run
+from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+PREDICT = REPO / "scripts" / "predict.py"
 RUN = ["--streaming", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--batch_size", "2",
        "--optimizer", "adamw", "--num_workers", "0", "--ddp_timeout", "60"]  # a hang: an error within a minute
 
@@ -170,3 +172,50 @@ def test_an_image_folder_streams_split_between_processes(tmp_path):
     reads = fetched(log, 2)
     assert [len(reads[0, rank]) for rank in range(2)] == [6, 6]
     assert sorted(reads[0, 0] + reads[0, 1]) == keys
+
+
+# 12 classes, first met in this order in every shard: sorted as strings (0, 1, 10, 11, 2, ...) or in the order first
+# seen, the class ids differ from the numeric order
+FIRST_SEEN = [7, 11, 2, 0, 10, 5, 1, 9, 3, 8, 6, 4]
+
+
+def write_integer_label_shards(root, train_per_class: int = 4, test_per_class: int = 2) -> Path:
+    """ROOT/train-00000.tar and ROOT/test-00000.tar, webdataset-style: KEY.png (a bright cell of a 4x4 grid, the cell
+    number the class) with KEY.cls, an integer 0..11, the labels in FIRST_SEEN's order."""
+    rng = np.random.default_rng(5)
+    root.mkdir(parents=True)
+    for split, per_class in (("train", train_per_class), ("test", test_per_class)):
+        with tarfile.open(root / f"{split}-00000.tar", "w") as tar:
+            for i, label in enumerate(FIRST_SEEN * per_class):
+                for ext, content in (("png", grid_cell_png(rng, label)), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{split}_{i:04d}.{ext}")
+                    info.size = len(content)
+                    tar.addfile(info, io.BytesIO(content))
+    return root
+
+
+def test_integer_labels_0_to_11_are_classes_in_numeric_order_streamed_or_not_and_in_predict(tmp_path):
+    """Webdataset .cls labels 0..11 (issue 29: streamed, training took them in numeric order and evaluation in string
+    order, eval accuracy 0.167 for a train accuracy of 1.0): with and without --streaming the classes are 0..11 in
+    numeric order, a linear model on the pixels learns them, and predict.py, which reads the shards without streaming,
+    names the classes the streamed run's outputs stand for."""
+    shards = write_integer_label_shards(tmp_path / "shards")
+    flags = ["--dataset", shards, "--label_column", "cls", "--model", "tests.image_data:pixel_linear", "--image_size",
+             "16", "--augmentation", "none", "--batch_size", "8", "--optimizer", "adamw", "--learning_rate", "0.02",
+             "--num_workers", "0", "--max_steps", "36"]
+    streamed, plain = tmp_path / "streamed", tmp_path / "plain"
+    launch([*flags, "--streaming", "--output_dir", streamed], script=TRAIN_IMAGE_CLASSIFIER)
+    launch([*flags, "--output_dir", plain], script=TRAIN_IMAGE_CLASSIFIER)
+    for out in (streamed, plain):
+        r = results(out)
+        assert r["class_names"] == [str(label) for label in range(12)], out.name
+        assert (r["eval_samples"], r["global_step"]) == (24, 36)
+        assert r["eval_accuracy"] >= 0.9, (out.name, r["eval_accuracy"])
+    predictions = tmp_path / "predictions.csv"
+    launch(["--model_dir", streamed, "--dataset", shards, "--output_file", predictions, "--num_workers", "0"],
+           script=PREDICT)
+    with open(predictions, newline="") as file:
+        table = list(csv.DictReader(file))
+    assert [row["label"] for row in table] == [str(label) for label in FIRST_SEEN * 2]
+    correct = sum(row["class_1"] == row["label"] for row in table)
+    assert correct / len(table) == results(streamed)["eval_accuracy"]

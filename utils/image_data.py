@@ -18,6 +18,7 @@ import torch
 # torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
 # which `--help` need not wait for
 from utils.errors import UserError, first_line
+from utils.labels import encode_labels, sorted_label_values
 
 # torchvision's pretrained weights expect ImageNet-normalised inputs; from scratch it does no harm.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -33,9 +34,10 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
 
     `data_dir`: an ImageFolder tree, either DIR/train/<class>/* with DIR/val|validation|test/<class>/*,
     or DIR/<class>/* alone, split by `val_split` (stratified, fixed seed). `dataset`: a Hub dataset
-    name (or a local folder of data files); columns are detected unless given. Class ids follow the sorted
-    class names for a folder or a plain integer/string label column, and the ClassLabel's own order (not
-    necessarily sorted) for a Hub dataset that has one; either way the same on every process and in every run.
+    name (or a local folder of data files); columns are detected unless given. Class ids follow the folder names
+    sorted as strings (as torchvision's ImageFolder), the values of a plain label column sorted (integers as numbers,
+    strings as strings: utils/labels.py), and the ClassLabel's own order (not necessarily sorted) for a data set that
+    has one; either way the same in every split, on every process and in every run.
     """
     import datasets  # imported here: the unit tests of the models need none of it
 
@@ -72,8 +74,11 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
         if column not in train.column_names:
             raise UserError(f"{source}: no column {column!r} (columns: {train.column_names}); fix {flag}")
     if not isinstance(train.features[label_column], datasets.ClassLabel):
-        # integer or string labels: one id per distinct value, in sorted order (deterministic)
-        splits = splits.class_encode_column(label_column)
+        # integer or string labels: one id per distinct value of the training split, in sorted order (numbers as
+        # numbers), the same ids in every split (utils/labels.py)
+        values = sorted_label_values(train.unique(label_column), source)
+        splits = datasets.DatasetDict({name: encode_labels(split, label_column, values, source, name)
+                                       for name, split in splits.items()})
         train = splits["train"]
 
     eval_name = next((name for name in EVAL_SPLITS if name in splits), None)

@@ -16,6 +16,7 @@ import torch
 
 from utils.errors import UserError, first_line
 from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, image_bytes
+from utils.labels import class_names_of, encode_labels, sorted_label_values
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).
@@ -26,7 +27,8 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
     """(train stream, eval split, image_column, label_column, class_names, label_ids): the training split as a
     `datasets.IterableDataset`, the evaluation split (validation or test) read once into a map-style `datasets.Dataset`.
     label_ids maps the stream's label values to class ids where its label column is no ClassLabel (webdataset's "cls"):
-    ids of the sorted distinct values of the evaluation split; None where the ClassLabel gives them."""
+    ids of the sorted distinct values of the evaluation split (numbers in numeric order); None where the ClassLabel
+    gives them."""
     import datasets
 
     source = f"--data_dir {data_dir}" if data_dir is not None else f"--dataset {dataset}"
@@ -56,10 +58,11 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
     label_ids = None
     if isinstance(train.features[label_column], datasets.ClassLabel):
         class_names = train.features[label_column].names
-    else:  # plain integer or string labels: one class per distinct value of the evaluation split, in sorted order
-        eval_split = eval_split.class_encode_column(label_column)
-        class_names = eval_split.features[label_column].names
-        values = sorted(set(splits[eval_name].select_columns([label_column])[label_column]))
+    else:  # plain integer or string labels: one class per distinct value of the evaluation split (a stream cannot be
+        # read ahead), sorted as without --streaming (integers as numbers: utils/labels.py)
+        values = sorted_label_values(eval_split.unique(label_column), source)
+        eval_split = encode_labels(eval_split, label_column, values, source, eval_name)
+        class_names = class_names_of(values)
         label_ids = {value: class_id for class_id, value in enumerate(values)}
     train = train.select_columns([image_column, label_column]).cast_column(image_column, datasets.Image(decode=False))
     return train, eval_split, image_column, label_column, class_names, label_ids
