@@ -18,6 +18,7 @@ import torch
 # torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
 # which `--help` need not wait for
 from utils.errors import UserError, first_line
+from utils.image_modes import viewer_rgb
 from utils.labels import encode_labels, sorted_label_values
 
 # torchvision's pretrained weights expect ImageNet-normalised inputs; from scratch it does no harm.
@@ -365,7 +366,8 @@ def collate_images(samples: list):
 
 
 def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
-    """An image file's bytes as a uint8 (3, H, W) RGB tensor: greyscale, palette, CMYK and RGBA become 3 channels.
+    """An image file's bytes as a uint8 (3, H, W) RGB tensor, as a viewer shows the file: greyscale, palette, CMYK and
+    16-bit images become 3 channels of 8 bits, transparent pixels white (utils/image_modes.py).
 
     JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API, as PIL uses): a third
     less time than PIL here. With fastupsample, colour stored at half resolution (4:2:0, most photos) is repeated over
@@ -392,7 +394,7 @@ def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
             pass
     if pixels is None:
         with Image.open(io.BytesIO(data)) as image:
-            pixels = np.array(ImageOps.exif_transpose(image).convert("RGB"))
+            pixels = viewer_rgb(ImageOps.exif_transpose(image))  # 16-bit scaled, transparency on white
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
