@@ -99,7 +99,7 @@ def make_parquet_dataset(root: Path, train_per_class: int = 30, test_per_class: 
 
 
 def grid_cell_png(rng: np.random.Generator, cell: int, size: int = 16) -> bytes:
-    """A dark 16-px PNG with one bright 4x4 cell of a 4x4 grid, number `cell` (row by row), and faint noise (each image's
+    """A dark 16-px PNG, one bright 4x4 cell of its 4x4 grid (number `cell`, row by row), faint noise (each image's
     bytes unique): `pixel_linear` tells the cells apart within a few dozen steps."""
     import io
 

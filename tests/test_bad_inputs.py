@@ -1,8 +1,12 @@
 """Inputs a user can get wrong end with one `error:` line naming the input and the fix, a non-zero
 exit, no traceback through our code, and nothing written: the table grows with every case found."""
 
+import io
+import shutil
 import sys
+import tarfile
 
+import numpy as np
 import pytest
 from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, load_script, run
 from image_data import make_split_image_folder
@@ -113,3 +117,101 @@ def test_a_corrupt_image_names_its_file(tmp_path, num_workers, num_processes):
     # a DataLoader worker wraps the error in its own traceback ("Original Traceback ..."): none of it is printed
     assert "Original Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def _empty_class_folder(root):
+    (root / "train" / "unlabelled_yet").mkdir()
+
+
+def _class_only_in_val(root):
+    (root / "val" / "circle_red").rename(root / "val" / "hexagon_black")
+
+
+def _stray_image_at_the_root(root):
+    """ROOT/train alone as a DIR/<class>/* folder, one image beside its class folders."""
+    flat = root / "train"
+    shutil.copy(next((flat / "circle_red").iterdir()), flat / "stray.png")
+    return flat
+
+
+def _stray_image_beside_train_and_val(root):
+    shutil.copy(next((root / "train" / "circle_red").iterdir()), root / "train" / "stray.png")
+
+
+# Image folders that `imagefolder` reads as something else than they look: one line each, streamed or not (issue 29:
+# an empty class folder was dropped, 3 classes and not 4; a val/-only class became one no image trains; a stray image
+# gave "found fewer than 2 class folders")
+FOLDER_LAYOUTS = [
+    (_empty_class_folder, ["class folder(s) unlabelled_yet", "hold no images", "add the class's images, or delete"]),
+    (_class_only_in_val, ["class(es) hexagon_black have images in", "none in", "cannot learn them"]),
+    (_stray_image_at_the_root, ["stray.png lie directly in", "beside its class folders (circle_red, cross_yellow",
+                                "move each image into its class's folder"]),
+    (_stray_image_beside_train_and_val, ["stray.png lie directly in", "train, beside its class folders"]),
+]
+
+
+@pytest.mark.parametrize("spoil, words", FOLDER_LAYOUTS, ids=[spoil.__name__[1:] for spoil, _ in FOLDER_LAYOUTS])
+@pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streamed"])
+def test_image_folders_that_read_as_something_else_are_one_line(tmp_path, spoil, words, streaming):
+    from utils.image_data import load_image_datasets
+    from utils.streaming import load_image_stream
+
+    root = make_split_image_folder(tmp_path / "images", train_per_class=2, val_per_class=1)
+    data_dir = spoil(root) or root
+    with pytest.raises(UserError) as err:
+        (load_image_stream if streaming else load_image_datasets)(data_dir=data_dir)
+    for word in words:
+        assert word in str(err.value), err.value
+
+
+def test_a_class_only_in_val_stops_the_script_before_writing(tmp_path):
+    """End to end, once: the script's one line."""
+    root = make_split_image_folder(tmp_path / "images", train_per_class=2, val_per_class=1)
+    _class_only_in_val(root)
+    proc = run([sys.executable, CLASSIFIER, "--cpu", "--data_dir", root, "--output_dir", tmp_path / "out", *SMALL],
+               check=False)
+    assert_clean_user_error(proc, "hexagon_black have images in", "cannot learn them")
+    assert not (tmp_path / "out").exists()
+
+
+def write_shards(root, extensions_by_shard: dict) -> None:
+    """ROOT/NAME.tar for each NAME: extensions, webdataset-style: sample i is KEY.EXT (EXT the i-th extension, an
+    image of 16 px encoded as its extension says) with KEY.cls (i % 4)."""
+    from PIL import Image
+
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name, extensions in extensions_by_shard.items():
+        with tarfile.open(root / f"{name}.tar", "w") as tar:
+            for i, ext in enumerate(extensions):
+                image = io.BytesIO()
+                Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image, ext.replace("jpg", "jpeg"))
+                for member, content in ((ext, image.getvalue()), ("cls", str(i % 4).encode())):
+                    info = tarfile.TarInfo(f"{name}_{i:04d}.{member}")
+                    info.size = len(content)
+                    tar.addfile(info, io.BytesIO(content))
+
+
+def test_webdataset_shards_mixing_jpg_and_png_are_one_line(tmp_path):
+    """`datasets` gives the samples whose extension is not the first samples' no image (or, streaming some shards,
+    refuses them in a line that does not say what to do): map-style, one line when loading; streamed, one line when
+    such a sample comes, also in a DataLoader worker (issue 29: a TypeError and 129 lines)."""
+    from utils.image_data import eval_transform, load_image_datasets
+    from utils.streaming import StreamedImages, load_image_stream
+
+    write_shards(tmp_path / "mixed", {"train-00000": ["jpg", "png"] * 4, "test-00000": ["jpg"] * 4})
+    with pytest.raises(UserError) as err:
+        load_image_datasets(dataset=str(tmp_path / "mixed"), label_column="cls")
+    assert "the training split has 4 row(s) without an image in its column 'jpg'" in str(err.value), err.value
+    assert "webdataset shards must store every sample's image under one extension" in str(err.value)
+    stream, _, image_column, label_column, _, label_ids = load_image_stream(dataset=str(tmp_path / "mixed"),
+                                                                            label_column="cls")
+    with pytest.raises(UserError) as err:
+        list(StreamedImages(stream, eval_transform(16, "none"), image_column, label_column, label_ids=label_ids))
+    assert "a sample has no image in the image column; webdataset shards must" in str(err.value), err.value
+    write_shards(tmp_path / "apart", {"train-00000": ["jpg"] * 8, "train-00001": ["png"] * 8, "test-00000": ["jpg"] * 4})
+    proc = launch(["--streaming", "--dataset", tmp_path / "apart", "--label_column", "cls", "--max_steps", "8",
+                   "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16",
+                   "--batch_size", "2", "--optimizer", "adamw", "--num_workers", "1"], script=CLASSIFIER, check=False)
+    assert_clean_user_error(proc, "a sample has no image in the image column", "under one extension")
+    assert "Original Traceback" not in proc.stdout + proc.stderr

@@ -18,6 +18,7 @@ import torch
 # torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
 # which `--help` need not wait for
 from utils.errors import UserError, first_line
+from utils.image_folders import check_image_folder
 from utils.image_modes import viewer_rgb
 from utils.labels import encode_labels, sorted_label_values
 
@@ -48,6 +49,7 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
             raise UserError(f"--data_dir {data_dir}: no such directory; point it at an image folder "
                             f"(DIR/<class>/*.jpg or DIR/train/<class>/*)")
         source = f"--data_dir {data_dir}"
+        check_image_folder(data_dir)  # stray images, empty class folders, classes without training images: one line
         try:
             splits = datasets.load_dataset("imagefolder", data_dir=str(data_dir))
         except Exception as err:  # no images, unreadable files: datasets raises many types
@@ -57,8 +59,9 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
         source = f"--dataset {dataset}"
         try:
             splits = datasets.load_dataset(dataset, dataset_config)
-        except Exception as err:  # offline, no cache, unknown name, gated dataset...
-            raise UserError(f"could not load {source} ({type(err).__name__}: {first_line(err)}); check the name "
+        except Exception as err:  # offline, no cache, unknown name, gated dataset, mixed webdataset extensions...
+            raise UserError(mixed_extensions_error(source, err) or
+                            f"could not load {source} ({type(err).__name__}: {first_line(err)}); check the name "
                             f"(and --dataset_config), log in for gated datasets, or pass --data_dir with an image "
                             f"folder") from None
 
@@ -92,6 +95,8 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
             raise UserError(f"{source}: cannot split off --val_split {val_split} ({first_line(err)}); "
                             f"add images or change --val_split") from None
         train, eval_ = parts["train"], parts["test"]
+    for name, split in (("training", train), ("evaluation", eval_)):
+        check_every_row_has_an_image(split, image_column, f"{source}: the {name} split")
     class_names = train.features[label_column].names
     return train, eval_, image_column, label_column, class_names
 
@@ -490,10 +495,37 @@ def image_bytes(image: dict) -> bytes:
     """The encoded bytes of a `datasets.Image(decode=False)` value, {"bytes": ..., "path": ...}: its own (Hub data,
     parquet and tar files) or its file's (folders), read with a plain open() and read(), about half the time of
     pathlib's read_bytes() for a photo."""
+    if image is None:  # no file in the image column for this sample
+        raise UserError(MISSING_IMAGE)
     if image["bytes"] is not None:
         return image["bytes"]
     with open(image["path"], "rb", buffering=0) as file:
         return file.readall()
+
+
+# Webdataset shards whose samples' images have different extensions: `datasets` makes a column of each extension, or
+# only of those its first samples have, so other samples come without an image, or the shards do not load
+MIXED_EXTENSIONS = ("webdataset shards must store every sample's image under one extension (KEY.jpg with KEY.cls, "
+                    "not KEY.png in some samples): re-encode the others, or rename them, as this script decodes an "
+                    "image by its content, not its name")
+MISSING_IMAGE = (f"a sample has no image in the image column; {MIXED_EXTENSIONS}. Other data sets: drop the rows "
+                 f"without an image")
+
+
+def mixed_extensions_error(source: str, err: Exception):
+    """The line for webdataset shards that `datasets` cannot load because their samples' files differ (its own message
+    does not say what to do); None for other errors."""
+    if "WebDataset format" in str(err):
+        return f"{source}: {MIXED_EXTENSIONS} (datasets: {first_line(err)})"
+    return None
+
+
+def check_every_row_has_an_image(split, image_column: str, source: str) -> None:
+    """One line where rows of a map-style split have no image (arrow's count of nulls: nothing is read)."""
+    missing = split.data.column(image_column).null_count
+    if missing:
+        raise UserError(f"{source} has {missing} row(s) without an image in its column {image_column!r}; "
+                        f"{MIXED_EXTENSIONS}. Other data sets: drop the rows without an image")
 
 
 def _source_of(image: dict, index: int) -> str:
@@ -508,9 +540,9 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
         try:
             return decode_rgb(data, reduction)
         except (OSError, ValueError, SyntaxError) as err:  # PIL: truncated, corrupt or not an image at all
-            raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy "
-                            f"and continue with --resume_from_checkpoint latest, or delete it and start "
-                            f"again") from None
+            # the same advice for training and predict.py: what to do next depends on the run (docs/troubleshooting.md)
+            raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy, "
+                            f"or delete it") from None
 
     # evaluation draws nothing: there the seeding would be a twentieth of an image's cost
     seeded = (cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0]))

@@ -11,11 +11,20 @@ map-style dataset (it must be small enough for memory): exact, as without --stre
 """
 
 import zlib
+from pathlib import Path
 
 import torch
 
 from utils.errors import UserError, first_line
-from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, image_bytes
+from utils.image_data import (
+    EVAL_SPLITS,
+    _column_of_type,
+    check_every_row_has_an_image,
+    decode_and_transform,
+    image_bytes,
+    mixed_extensions_error,
+)
+from utils.image_folders import check_image_folder
 from utils.labels import class_names_of, encode_labels, sorted_label_values
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
@@ -32,13 +41,16 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
     import datasets
 
     source = f"--data_dir {data_dir}" if data_dir is not None else f"--dataset {dataset}"
+    if data_dir is not None and Path(data_dir).is_dir():  # stray images, empty class folders, untrained classes
+        check_image_folder(Path(data_dir))
     try:
         if data_dir is not None:
             splits = datasets.load_dataset("imagefolder", data_dir=str(data_dir), streaming=True)
         else:  # a Hub name, or a local folder of parquet files or webdataset tar shards
             splits = datasets.load_dataset(dataset, dataset_config, streaming=True)
     except Exception as err:  # no such folder, no data files, offline, unknown name: datasets raises many types
-        raise UserError(f"could not stream {source} ({type(err).__name__}: {first_line(err)}); point it at an image "
+        raise UserError(mixed_extensions_error(source, err) or
+                        f"could not stream {source} ({type(err).__name__}: {first_line(err)}); point it at an image "
                         f"folder, a folder of parquet or webdataset .tar files, or a Hub dataset") from None
     eval_name = next((name for name in EVAL_SPLITS if name in splits), None)
     if "train" not in splits or eval_name is None:
@@ -55,6 +67,7 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
     eval_stream = splits[eval_name].select_columns([image_column, label_column])
     eval_stream = eval_stream.cast_column(image_column, datasets.Image(decode=False))
     eval_split = datasets.Dataset.from_list(list(eval_stream), features=eval_stream.features)
+    check_every_row_has_an_image(eval_split, image_column, f"{source}: the evaluation split")
     label_ids = None
     if isinstance(train.features[label_column], datasets.ClassLabel):
         class_names = train.features[label_column].names

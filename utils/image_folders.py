@@ -1,0 +1,76 @@
+"""The layout of an image folder (--data_dir), checked before `datasets` reads it: what `imagefolder` would do silently
+or say obscurely is one line naming the folder or file and the fix.
+
+`imagefolder` names each image's class by its parent folder, over all splits, and drops the labels altogether when the
+images do not all lie at the same depth. So an empty class folder is no class (10 classes where there are 11 folders),
+a class with a val/ folder only is a class without training images, and one image beside the class folders leaves
+no labels at all ("fewer than 2 class folders").
+"""
+
+import os
+import re
+from pathlib import Path
+
+from utils.errors import UserError
+
+SHOWN = 3  # files or folders named in one error line
+
+
+def check_image_folder(data_dir: Path) -> None:
+    """One line for: image files beside class folders, a class folder without images, a class that has evaluation
+    images (DIR/val|validation|test/<class>) but no training images. DIR/<class>/* or DIR/train/<class>/* with
+    DIR/val/<class>/*; a folder of images without class folders is left to the caller."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    def is_image(entry) -> bool:
+        return entry.is_file() and os.path.splitext(entry.name)[1].lower() in ImageFolder.EXTENSIONS
+
+    def has_images(path: Path) -> bool:
+        with os.scandir(path) as entries:  # stops at the first image: one class folder of ImageNet costs microseconds
+            return any(is_image(entry) for entry in entries)
+
+    def folders(path: Path) -> list:
+        with os.scandir(path) as entries:
+            return sorted(entry.name for entry in entries if entry.is_dir() and not entry.name.startswith("."))
+
+    split_roots = {name: data_dir / name for name in folders(data_dir) if split_of(name) is not None}
+    roots = split_roots or {"": data_dir}  # DIR/train/<class>/..., or DIR/<class>/...
+    classes = {}
+    for name, root in roots.items():
+        class_folders = folders(root)
+        with os.scandir(root) as entries:
+            strays = sorted(entry.name for entry in entries if is_image(entry))
+        if strays and class_folders:
+            raise UserError(f"--data_dir {data_dir}: {_some(strays)} lie directly in {root}, beside its class folders "
+                            f"({_some(class_folders)}); move each image into its class's folder, or out of {root}")
+        empty = [folder for folder in class_folders if not has_images(root / folder)]
+        if empty:
+            raise UserError(f"--data_dir {data_dir}: the class folder(s) {_some(empty)} in {root} hold no images "
+                            f"(.jpg, .png, ... directly in them); add the class's images, or delete the folder(s)")
+        classes[name] = set(class_folders)
+    train = next((name for name in roots if split_of(name) in ("", "train")), None)
+    for name, names in classes.items():
+        untrained = sorted(names - classes[train]) if train is not None and name != train else []
+        if untrained:
+            raise UserError(f"--data_dir {data_dir}: the class(es) {_some(untrained)} have images in {roots[name]} "
+                            f"but none in {roots[train]}, so the model cannot learn them; add their training images "
+                            f"to {roots[train]}/<class>/, or delete their folders in {roots[name]}")
+
+
+def split_of(folder_name: str):
+    """The split `datasets` reads a folder of this name as ("train", "validation", "test"), "" for the root, else None:
+    a folder named by one of its split keywords, alone or between separators (train, val, test-2024, my_validation)."""
+    from datasets.data_files import NON_WORDS_CHARS, SPLIT_KEYWORDS
+
+    if folder_name == "":
+        return ""
+    for split, keywords in SPLIT_KEYWORDS.items():
+        for keyword in keywords:
+            if re.fullmatch(rf"(.*[{NON_WORDS_CHARS}])?{keyword}([{NON_WORDS_CHARS}].*)?", folder_name):
+                return str(split)
+    return None
+
+
+def _some(names: list) -> str:
+    shown = ", ".join(names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
