@@ -1,0 +1,54 @@
+"""utils/labels.py: one class order for plain label columns, numbers in numeric order, the same ids in every split.
+End to end (12 webdataset classes, streamed and not, and predict.py): tests/test_streaming.py."""
+
+import datasets
+import pytest
+
+from utils.errors import UserError
+from utils.image_data import load_image_datasets
+from utils.labels import encode_labels, sorted_label_values
+
+
+def test_numbers_sort_as_numbers_and_strings_as_strings():
+    assert sorted_label_values([10, 2, 11, 0, 2, 1], "s") == [0, 1, 2, 10, 11]
+    assert sorted_label_values(["10", "2", "b", "a"], "s") == ["10", "2", "a", "b"]
+    with pytest.raises(UserError, match="mixes int and str values"):
+        sorted_label_values([1, "1"], "s")
+    with pytest.raises(UserError, match="some rows have no label"):
+        sorted_label_values([1, None], "s")
+
+
+def parquet_splits(root, train_labels, test_labels):
+    """ROOT/train.parquet and ROOT/test.parquet: 1-px PNGs with plain integer labels."""
+    from PIL import Image
+
+    root.mkdir()
+    for split, labels in (("train", train_labels), ("test", test_labels)):
+        images = [Image.new("RGB", (1, 1), (label, 0, 0)) for label in labels]
+        features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+        datasets.Dataset.from_dict({"image": images, "label": labels}, features).to_parquet(str(root / f"{split}.parquet"))
+    return root
+
+
+def test_every_split_has_the_training_splits_ids_in_numeric_order(tmp_path):
+    """datasets' class_encode_column would name the classes 0, 1, 10, 11, 2, ... and number the test split's own
+    values (here without 5): class 7 would be id 5 in one split and 6 in the other."""
+    train_labels = [7, 11, 2, 0, 10, 5, 1, 9, 3, 8, 6, 4]
+    test_labels = [11, 0, 7, 2]
+    root = parquet_splits(tmp_path / "data", train_labels, test_labels)
+    train, test, _, _, class_names = load_image_datasets(dataset=str(root), label_column="label")
+    assert class_names == [str(label) for label in range(12)]
+    assert train["label"] == train_labels and test["label"] == test_labels
+    assert test.features["label"].names == class_names
+
+
+def test_a_label_the_training_split_lacks_is_one_line(tmp_path):
+    root = parquet_splits(tmp_path / "data", [0, 1, 2], [2, 3])
+    with pytest.raises(UserError, match=r"the test split has the labels \['3'\], which the training split lacks"):
+        load_image_datasets(dataset=str(root), label_column="label")
+
+
+def test_encode_labels_maps_values_to_their_index():
+    dataset = datasets.Dataset.from_dict({"label": ["cat", "ant", "cat"]})
+    encoded = encode_labels(dataset, "label", ["ant", "bee", "cat"], "s", "train")
+    assert encoded["label"] == [2, 0, 2] and encoded.features["label"].names == ["ant", "bee", "cat"]
