@@ -8,7 +8,7 @@ import tarfile
 
 import numpy as np
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launch, load_script, run
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, run
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
@@ -113,7 +113,9 @@ def test_a_corrupt_image_names_its_file(tmp_path, num_workers, num_processes):
     flags = [f if f != "0" else num_workers for f in SMALL]
     proc = launch(["--data_dir", folder, "--output_dir", tmp_path / "out", *flags], num_processes=num_processes,
                   script=CLASSIFIER, check=False)
-    assert_clean_user_error(proc, broken.name, "cannot be decoded", "replace it with a good copy")
+    assert_clean_user_error(proc, broken.name, "cannot be decoded", "replace it with a good copy, or delete it")
+    # issue 29: the line named --resume_from_checkpoint latest, though this run saved no checkpoint
+    assert "checkpoint" not in error_lines(proc)[0]
     # a DataLoader worker wraps the error in its own traceback ("Original Traceback ..."): none of it is printed
     assert "Original Traceback" not in proc.stdout + proc.stderr
     assert not (tmp_path / "out" / "results.json").exists()

@@ -126,6 +126,8 @@ def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and
     assert all(row["label"] == "" for row in table) and "accuracy" not in proc.stdout
     (bad,) = [row for row in table if row["error"]]
     assert bad["source"] == str(broken) and str(broken) in bad["error"] and "cannot be decoded" in bad["error"]
+    # issue 29: the row repeated training's advice to resume from a checkpoint
+    assert bad["error"].endswith("replace it with a good copy, or delete it") and "checkpoint" not in bad["error"]
     assert bad["class_1"] == bad["probability_1"] == ""
     assert all(row["class_1"] and float(row["probability_1"]) > 0 for row in table if row is not bad)
     assert "1 unreadable" in proc.stdout

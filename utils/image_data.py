@@ -17,8 +17,13 @@ import torch
 
 # torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
 # which `--help` need not wait for
+from utils.data_layout import (
+    MISSING_IMAGE,
+    check_every_row_has_an_image,
+    check_image_folder,
+    mixed_extensions_error,
+)
 from utils.errors import UserError, first_line
-from utils.image_folders import check_image_folder
 from utils.image_modes import viewer_rgb
 from utils.labels import encode_labels, sorted_label_values
 
@@ -501,31 +506,6 @@ def image_bytes(image: dict) -> bytes:
         return image["bytes"]
     with open(image["path"], "rb", buffering=0) as file:
         return file.readall()
-
-
-# Webdataset shards whose samples' images have different extensions: `datasets` makes a column of each extension, or
-# only of those its first samples have, so other samples come without an image, or the shards do not load
-MIXED_EXTENSIONS = ("webdataset shards must store every sample's image under one extension (KEY.jpg with KEY.cls, "
-                    "not KEY.png in some samples): re-encode the others, or rename them, as this script decodes an "
-                    "image by its content, not its name")
-MISSING_IMAGE = (f"a sample has no image in the image column; {MIXED_EXTENSIONS}. Other data sets: drop the rows "
-                 f"without an image")
-
-
-def mixed_extensions_error(source: str, err: Exception):
-    """The line for webdataset shards that `datasets` cannot load because their samples' files differ (its own message
-    does not say what to do); None for other errors."""
-    if "WebDataset format" in str(err):
-        return f"{source}: {MIXED_EXTENSIONS} (datasets: {first_line(err)})"
-    return None
-
-
-def check_every_row_has_an_image(split, image_column: str, source: str) -> None:
-    """One line where rows of a map-style split have no image (arrow's count of nulls: nothing is read)."""
-    missing = split.data.column(image_column).null_count
-    if missing:
-        raise UserError(f"{source} has {missing} row(s) without an image in its column {image_column!r}; "
-                        f"{MIXED_EXTENSIONS}. Other data sets: drop the rows without an image")
 
 
 def _source_of(image: dict, index: int) -> str:

@@ -15,16 +15,9 @@ from pathlib import Path
 
 import torch
 
+from utils.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
 from utils.errors import UserError, first_line
-from utils.image_data import (
-    EVAL_SPLITS,
-    _column_of_type,
-    check_every_row_has_an_image,
-    decode_and_transform,
-    image_bytes,
-    mixed_extensions_error,
-)
-from utils.image_folders import check_image_folder
+from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, image_bytes
 from utils.labels import class_names_of, encode_labels, sorted_label_values
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per

@@ -1,7 +1,7 @@
-"""The layout of an image folder (--data_dir), checked before `datasets` reads it: what `imagefolder` would do silently
-or say obscurely is one line naming the folder or file and the fix.
+"""Image data laid out so that `datasets` reads it as something else than it looks: one line naming the folder, file
+or split and the fix, where `datasets` would go on silently, fail later or say nothing of what to do.
 
-`imagefolder` names each image's class by its parent folder, over all splits, and drops the labels altogether when the
+Image folders (--data_dir) are checked before `datasets` reads them: `imagefolder` names each image's class by its parent folder, over all splits, and drops the labels altogether when the
 images do not all lie at the same depth. So an empty class folder is no class (10 classes where there are 11 folders),
 a class with a val/ folder only is a class without training images, and one image beside the class folders leaves
 no labels at all ("fewer than 2 class folders").
@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from utils.errors import UserError
+from utils.errors import UserError, first_line
 
 SHOWN = 3  # files or folders named in one error line
 
@@ -74,3 +74,28 @@ def split_of(folder_name: str):
 def _some(names: list) -> str:
     shown = ", ".join(names[:SHOWN])
     return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+# Webdataset shards whose samples' images have different extensions: `datasets` makes a column of each extension, or
+# only of those its first samples have, so other samples come without an image, or the shards do not load
+MIXED_EXTENSIONS = ("webdataset shards must store every sample's image under one extension (KEY.jpg with KEY.cls, "
+                    "not KEY.png in some samples): re-encode the others, or rename them, as this script decodes an "
+                    "image by its content, not its name")
+MISSING_IMAGE = (f"a sample has no image in the image column; {MIXED_EXTENSIONS}. Other data sets: drop the rows "
+                 f"without an image")
+
+
+def mixed_extensions_error(source: str, err: Exception):
+    """The line for webdataset shards that `datasets` cannot load because their samples' files differ (its own message
+    does not say what to do); None for other errors."""
+    if "WebDataset format" in str(err):
+        return f"{source}: {MIXED_EXTENSIONS} (datasets: {first_line(err)})"
+    return None
+
+
+def check_every_row_has_an_image(split, image_column: str, source: str) -> None:
+    """One line where rows of a map-style split have no image (arrow's count of nulls: nothing is read)."""
+    missing = split.data.column(image_column).null_count
+    if missing:
+        raise UserError(f"{source} has {missing} row(s) without an image in its column {image_column!r}; "
+                        f"{MIXED_EXTENSIONS}. Other data sets: drop the rows without an image")
