@@ -168,6 +168,10 @@ def main(args):
         write_text_atomically(args.output_file, text)  # a temporary file renamed: only a complete file appears
         count, labelled = len(inputs.dataset), counts["labelled"]
         accuracy = f"accuracy {counts['correct'] / labelled:.4f} on {labelled} labelled inputs, " if labelled else ""
+        run_precision = trained.results.get("mixed_precision")  # what the run's eval_accuracy was computed in
+        if labelled and run_precision not in (None, accelerator.mixed_precision):
+            accuracy += (f"not necessarily the run's eval_accuracy: it evaluated in precision {run_precision} "
+                         f"(--mixed_precision {run_precision} to repeat it), ")
         print(f"Predicted {count} inputs ({inputs.description}) in {seconds:.2f} s: {count / seconds:.1f} images/s "
               f"on {accelerator.num_processes} process(es), precision {accelerator.mixed_precision}; {accuracy}"
               f"{counts['unreadable']} unreadable; wrote {args.output_file}", flush=True)

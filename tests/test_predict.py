@@ -108,6 +108,12 @@ def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mn
     assert [(row["index"], row["source"], row["label"]) for row in table] == [
         (str(i), f"eval/{i}", str(label)) for i, label in enumerate(labels)]
     assert top1_accuracy(table) == results(out)["eval_accuracy"]
+    # issue 29: another precision than the run's gave another accuracy, though the docs said they match; the line says so
+    assert "not necessarily the run's eval_accuracy" not in proc.stdout
+    proc = predict(out, data, tmp_path / "bf16.csv", 1, "--mixed_precision", "bf16", "--max_samples", "8")
+    assert "precision bf16; accuracy" in proc.stdout
+    assert "not necessarily the run's eval_accuracy: it evaluated in precision no (--mixed_precision no to repeat it)" \
+        in proc.stdout
 
 
 def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and_no_file(image_run, tmp_path):
