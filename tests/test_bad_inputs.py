@@ -136,7 +136,7 @@ def _stray_image_at_the_root(root):
     return flat
 
 
-def _stray_image_beside_train_and_val(root):
+def _stray_image_beside_the_class_folders_in_train(root):
     shutil.copy(next((root / "train" / "circle_red").iterdir()), root / "train" / "stray.png")
 
 
@@ -148,7 +148,7 @@ FOLDER_LAYOUTS = [
     (_class_only_in_val, ["class(es) hexagon_black have images in", "none in", "cannot learn them"]),
     (_stray_image_at_the_root, ["stray.png lie directly in", "beside its class folders (circle_red, cross_yellow",
                                 "move each image into its class's folder"]),
-    (_stray_image_beside_train_and_val, ["stray.png lie directly in", "train, beside its class folders"]),
+    (_stray_image_beside_the_class_folders_in_train, ["stray.png lie directly in", "train, beside its class folders"]),
 ]
 
 
