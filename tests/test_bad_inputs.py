@@ -187,7 +187,8 @@ def write_shards(root, extensions_by_shard: dict) -> None:
         with tarfile.open(root / f"{name}.tar", "w") as tar:
             for i, ext in enumerate(extensions):
                 image = io.BytesIO()
-                Image.fromarray(rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)).save(image, ext.replace("jpg", "jpeg"))
+                pixels = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(image, ext.replace("jpg", "jpeg"))
                 for member, content in ((ext, image.getvalue()), ("cls", str(i % 4).encode())):
                     info = tarfile.TarInfo(f"{name}_{i:04d}.{member}")
                     info.size = len(content)
@@ -211,7 +212,8 @@ def test_webdataset_shards_mixing_jpg_and_png_are_one_line(tmp_path):
     with pytest.raises(UserError) as err:
         list(StreamedImages(stream, eval_transform(16, "none"), image_column, label_column, label_ids=label_ids))
     assert "a sample has no image in the image column; webdataset shards must" in str(err.value), err.value
-    write_shards(tmp_path / "apart", {"train-00000": ["jpg"] * 8, "train-00001": ["png"] * 8, "test-00000": ["jpg"] * 4})
+    apart = {"train-00000": ["jpg"] * 8, "train-00001": ["png"] * 8, "test-00000": ["jpg"] * 4}
+    write_shards(tmp_path / "apart", apart)
     proc = launch(["--streaming", "--dataset", tmp_path / "apart", "--label_column", "cls", "--max_steps", "8",
                    "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16",
                    "--batch_size", "2", "--optimizer", "adamw", "--num_workers", "1"], script=CLASSIFIER, check=False)

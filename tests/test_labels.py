@@ -26,7 +26,8 @@ def parquet_splits(root, train_labels, test_labels):
     for split, labels in (("train", train_labels), ("test", test_labels)):
         images = [Image.new("RGB", (1, 1), (label, 0, 0)) for label in labels]
         features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
-        datasets.Dataset.from_dict({"image": images, "label": labels}, features).to_parquet(str(root / f"{split}.parquet"))
+        rows = datasets.Dataset.from_dict({"image": images, "label": labels}, features)
+        rows.to_parquet(str(root / f"{split}.parquet"))
     return root
 
 

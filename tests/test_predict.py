@@ -108,7 +108,7 @@ def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mn
     assert [(row["index"], row["source"], row["label"]) for row in table] == [
         (str(i), f"eval/{i}", str(label)) for i, label in enumerate(labels)]
     assert top1_accuracy(table) == results(out)["eval_accuracy"]
-    # issue 29: another precision than the run's gave another accuracy, though the docs said they match; the line says so
+    # issue 29: in another precision than the run's, another accuracy, though the docs said they match: now it says so
     assert "not necessarily the run's eval_accuracy" not in proc.stdout
     proc = predict(out, data, tmp_path / "bf16.csv", 1, "--mixed_precision", "bf16", "--max_samples", "8")
     assert "precision bf16; accuracy" in proc.stdout

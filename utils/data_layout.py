@@ -1,10 +1,11 @@
 """Image data laid out so that `datasets` reads it as something else than it looks: one line naming the folder, file
 or split and the fix, where `datasets` would go on silently, fail later or say nothing of what to do.
 
-Image folders (--data_dir) are checked before `datasets` reads them: `imagefolder` names each image's class by its parent folder, over all splits, and drops the labels altogether when the
-images do not all lie at the same depth. So an empty class folder is no class (10 classes where there are 11 folders),
-a class with a val/ folder only is a class without training images, and one image beside the class folders leaves
-no labels at all ("fewer than 2 class folders").
+Image folders (--data_dir) are checked before `datasets` reads them: `imagefolder` names each image's class by its
+parent folder, over all splits, and drops the labels altogether when the images do not all lie at the same depth. So
+an empty class folder is no class (10 classes where there are 11 folders), a class with a val/ folder only is a class
+without training images, and one image beside the class folders leaves no labels at all ("fewer than 2 class
+folders"). Webdataset shards whose samples' images have different extensions come without some images.
 """
 
 import os
