@@ -48,6 +48,7 @@ GRACE_S = 10  # a step past its timeout gets SIGINT, then this long to write wha
 CARRY_LIMIT_BYTES = 64 * 2**20  # what one device call may send
 WARMUP_STEPS = 10  # as utils/results.py ThroughputMeter: the steady state starts after these
 PHOTO_COPIES = 40  # 192 training photos -> 7680 images: 30 steps of 256, 20 past the warm-up
+PYTEST_WORKERS = 6  # the gpu tests are small: six at a time share the GPU and 16 cores
 LAUNCH = ["-m", "accelerate.commands.launch", "--num_machines", "1", "--num_processes", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]  # as tests/helpers.py launcher_args(1)
 RESNET = ["--model", "resnet50", "--mixed_precision", "bf16", "--channels_last", "--batch_size", "256", "--epochs", "1"]
@@ -121,7 +122,9 @@ class GpuSampler:
     """nvidia-smi's GPU utilisation and memory in use every 100 ms, each sample stamped with the wall time it came."""
 
     def __enter__(self):
-        self.samples = []
+        self.samples, self.proc = [], None
+        if shutil.which("nvidia-smi") is None:
+            return self  # no samples: the utilisation reads as unknown
         self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu,memory.used",
                                       "--format=csv,noheader,nounits", "-lms", "100"],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -138,6 +141,8 @@ class GpuSampler:
             self.samples.append((time.time(), utilisation, memory))
 
     def __exit__(self, *exc):
+        if self.proc is None:
+            return
         self.proc.terminate()
         self.proc.wait()
         self.thread.join(timeout=5)
@@ -187,9 +192,10 @@ def environment() -> dict:
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         facts.update(card=props.name, gpu_memory_mb=props.total_memory / 2**20, gpus=torch.cuda.device_count())
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True, timeout=15)
-    facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+    if shutil.which("nvidia-smi") is not None:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=15)
+        facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
     for name in ("accelerate", "torchvision", "datasets", "evaluate", "simplejpeg", "pyarrow", "fsspec",
                  "huggingface-hub", "pytest-xdist", "pytest-timeout"):
         try:
@@ -220,6 +226,20 @@ def installed_requirement_problems() -> list:
             if not req.specifier.contains(version, prereleases=True):
                 problems.append(f"{name} needs {req}: {req.name} {version} is installed")
     return problems
+
+
+def pytest_command(xml: Path) -> list:
+    """pytest -m gpu tests, in parallel (pytest-xdist) and each test stopped after 150 s (pytest-timeout), where the
+    image has those plugins (tests/gpu/device_packages.txt says it has); xunit1: the XML keeps recorded properties."""
+    from importlib.util import find_spec
+
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider", "--junitxml", xml,
+           "-o", "junit_family=xunit1"]
+    if find_spec("xdist") is not None:
+        cmd += ["-n", str(PYTEST_WORKERS)]
+    if find_spec("pytest_timeout") is not None:
+        cmd += ["--timeout", "150"]
+    return cmd
 
 
 def junit_tests(path: Path) -> list:
@@ -263,10 +283,7 @@ def run_check(out: Path, work: Path, started: float) -> dict:
                     record["status"] = "ok"
                 elif step.name == "pytest_gpu":
                     xml = out / "pytest_gpu.xml"
-                    status, tail = run_command(
-                        [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
-                         "-n", "6", "--timeout", "150", "--junitxml", xml, "-o", "junit_family=xunit1"],
-                        timeout, log, env)
+                    status, tail = run_command(pytest_command(xml), timeout, log, env)
                     report["tests"] = junit_tests(xml)
                     record.update(status="timeout" if status is None else ("ok" if status == 0 else "failed"),
                                   returncode=status, tail=tail[-2000:])
@@ -283,8 +300,9 @@ def run_check(out: Path, work: Path, started: float) -> dict:
                     if status == 0:
                         results = json.loads((Path(step.argv[step.argv.index("--output_dir") + 1]) / "results.json")
                                              .read_text())
+                        batch_size = int(step.argv[step.argv.index("--batch_size") + 1])
                         record["numbers"] = step_numbers(results, json.loads(timing_file.read_text()),
-                                                         sampler.samples, batch_size=256)
+                                                         sampler.samples, batch_size)
                     else:
                         record["tail"] = tail[-2000:]
             except Exception as err:  # a broken step is a finding; the others still run
@@ -332,8 +350,9 @@ def markdown(report: dict) -> str:
 # ---------------------------------------------------------------- the dry run
 
 
-def dry_run_problems(carried: Path, wheels_list: Path, python: str) -> tuple:
-    """On the CPU: every problem that would make the check fail for want of something carried, and what was checked."""
+def dry_run_problems(carried: Path, wheels_list: Path, python: str, collect: bool = True) -> tuple:
+    """On the CPU: every problem that would make the check fail for want of something carried, and what was checked.
+    collect=False leaves out `pytest --collect-only` (its own process, the slow part)."""
     device = dry_run.read_pins(GPU_DIR / "device_packages.txt")
     wheels = dry_run.read_pins(wheels_list)
     steps = plan(Path("/tmp/gpu_check"))
@@ -351,17 +370,16 @@ def dry_run_problems(carried: Path, wheels_list: Path, python: str) -> tuple:
     problems += [f"missing file: {p}" for p in ["tests/gpu/step_timer.py", *(s for s, _ in launched)]
                  if not (REPO / p).is_file()]
     problems += dry_run.flag_problems(REPO, launched)
-    if carried.is_dir():
-        size = dry_run.travelling_bytes(REPO, carried)
-        if size > CARRY_LIMIT_BYTES:
-            problems.append(f"the checkout and {carried.name} send {size / 2**20:.1f} MiB; the device takes 64 MiB")
-    collection, ids = dry_run.collection_problems(REPO, python)
+    size = dry_run.travelling_bytes(REPO, carried) if carried.is_dir() else None
+    if size is not None and size > CARRY_LIMIT_BYTES:
+        problems.append(f"the checkout and {carried.name} send {size / 2**20:.1f} MiB; the device takes 64 MiB")
+    collection, ids = dry_run.collection_problems(REPO, python) if collect else ([], [])
     problems += collection
     problems += [f"HEADLINES names {test_id}, which pytest -m gpu does not collect"
                  for test_id in HEADLINES.values() if ids and test_id not in ids]
     summary = {"steps": [(s.name, s.timeout_s) for s in steps], "install_s": INSTALL_S, "budget_s": BUDGET_S,
                "gpu_tests": len(ids), "wheels": sorted(wheels),
-               "carried_mib": round(dry_run.travelling_bytes(REPO, carried) / 2**20, 1) if carried.is_dir() else None}
+               "travelling_mib": None if size is None else round(size / 2**20, 1)}
     return problems, summary
 
 

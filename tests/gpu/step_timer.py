@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ def _after_optimizer_step(optimizer, args, kwargs):
 
 
 def _install_hooks():
-    torch.optim.optimizer.register_optimizer_step_post_hook(_after_optimizer_step)
+    register_optimizer_step_post_hook(_after_optimizer_step)
     next_batch = _BaseDataLoaderIter.__next__
 
     def timed_next(self):
