@@ -183,19 +183,20 @@ def replicate_photos(source: Path, target: Path, copies: int) -> None:
 
 
 def environment() -> dict:
+    """What ran where. nvidia-smi, not torch, reads the card: a CUDA context in this process would stay for the whole
+    check and take GPU memory from the steps."""
+    import importlib
     import importlib.metadata
 
     import torch
 
     facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
              "cpu_count": os.cpu_count(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        facts.update(card=props.name, gpu_memory_mb=props.total_memory / 2**20, gpus=torch.cuda.device_count())
     if shutil.which("nvidia-smi") is not None:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=15)
         facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
+        facts["card"] = facts["nvidia_smi"].split(",")[0]
     for name in ("accelerate", "torchvision", "datasets", "evaluate", "simplejpeg", "pyarrow", "fsspec",
                  "huggingface-hub", "pytest-xdist", "pytest-timeout"):
         try:
@@ -203,6 +204,12 @@ def environment() -> dict:
         except importlib.metadata.PackageNotFoundError:
             facts[name] = None
     facts["wheel_requirement_problems"] = installed_requirement_problems()
+    facts["wheel_import_errors"] = {}
+    for name in dry_run.read_pins(GPU_DIR / "wheels.txt"):  # each carried package imports there (datasets: pyarrow)
+        try:
+            importlib.import_module(name.replace("-", "_"))
+        except Exception as err:
+            facts["wheel_import_errors"][name] = f"{type(err).__name__}: {err}"[:300]
     return facts
 
 
@@ -327,6 +334,9 @@ def markdown(report: dict) -> str:
              f"{report['total_s']} s of the {report['budget_s']} s budget. nvidia-smi: {env.get('nvidia_smi')}", ""]
     if env.get("wheel_requirement_problems"):
         lines += ["Carried wheels' requirements not met there: " + "; ".join(env["wheel_requirement_problems"]), ""]
+    if env.get("wheel_import_errors"):
+        lines += ["Carried packages that do not import there: " + "; ".join(
+            f"{name}: {error}" for name, error in env["wheel_import_errors"].items()), ""]
     lines += ["| step | status | s | images/s | GPU util % | data-wait share (median / max) | peak MB |",
               "| --- | --- | --- | --- | --- | --- | --- |"]
     for s in report["steps"]:
@@ -358,8 +368,7 @@ def dry_run_problems(carried: Path, wheels_list: Path, python: str, collect: boo
     steps = plan(Path("/tmp/gpu_check"))
     fixed = INSTALL_S + sum(s.timeout_s for s in steps)
     problems = [] if fixed <= BUDGET_S else [f"the steps' timeouts and the install add up to {fixed} s > {BUDGET_S} s"]
-    imports = dry_run.third_party_imports(dry_run.source_files(REPO) + [Path(__file__), GPU_DIR / "step_timer.py"],
-                                          dry_run.local_module_names(REPO))
+    imports = dry_run.third_party_imports(dry_run.source_files(REPO), dry_run.local_module_names(REPO), REPO)
     problems += dry_run.uncovered_imports(imports, device, wheels)
     problems += [f"the check needs {name} there (pytest -n, --timeout)" for name in ("pytest-xdist", "pytest-timeout")
                  if name not in device]

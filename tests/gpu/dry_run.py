@@ -39,9 +39,9 @@ def read_pins(path: Path) -> dict:
     return pins
 
 
-def third_party_imports(files, local_names) -> dict:
-    """{top-level module: [files importing it]}, anywhere in the files (inside functions too), minus the standard
-    library and the project's own modules (`local_names`)."""
+def third_party_imports(files, local_names, repo: Path) -> dict:
+    """{top-level module: [files importing it, relative to `repo`]}, anywhere in the files (inside functions too),
+    minus the standard library and the project's own modules (`local_names`)."""
     found = {}
     for path in files:
         for node in ast.walk(ast.parse(Path(path).read_text(), filename=str(path))):
@@ -54,7 +54,8 @@ def third_party_imports(files, local_names) -> dict:
             for name in names:
                 top = name.split(".")[0]
                 if top not in sys.stdlib_module_names and top not in local_names:
-                    found.setdefault(top, []).append(str(path))
+                    shown = Path(path).relative_to(repo) if Path(path).is_relative_to(repo) else path
+                    found.setdefault(top, []).append(str(shown))
     return found
 
 
