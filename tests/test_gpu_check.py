@@ -30,7 +30,7 @@ def write_wheel(folder, name, version, requires=()):
 
 @pytest.fixture
 def carried(tmp_path):
-    """.gpu_check as tests/gpu/prepare.sh fills it: the listed wheels (with datasets' real requirements) and the data."""
+    """.gpu_check as tests/gpu/prepare.sh fills it: the listed wheels (datasets' with its requirements), the data."""
     folder = tmp_path / "carried"
     (folder / "wheels").mkdir(parents=True)
     for name, version in dry_run.read_pins(check.GPU_DIR / "wheels.txt").items():

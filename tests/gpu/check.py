@@ -56,9 +56,11 @@ RESNET = ["--model", "resnet50", "--mixed_precision", "bf16", "--channels_last",
 HEADLINES = {
     "train_mnist fp16 (mnist-10k)": "tests/test_gpu_paths.py::test_train_mnist_mixed_precision_on_gpu[fp16]",
     "train_mnist bf16 (mnist-10k)": "tests/test_gpu_paths.py::test_train_mnist_mixed_precision_on_gpu[bf16]",
-    "fp16 resume bit-exact, --deterministic": "tests/test_gpu_paths.py::test_fp16_resume_is_bit_exact_with_deterministic",
+    "fp16 resume bit-exact, --deterministic":
+        "tests/test_gpu_paths.py::test_fp16_resume_is_bit_exact_with_deterministic",
     "ResNet-50 fp16 channels-last, eager": "tests/test_gpu_paths.py::test_resnet50_fp16_channels_last_on_gpu[eager]",
-    "ResNet-50 fp16 channels-last, --compile": "tests/test_gpu_paths.py::test_resnet50_fp16_channels_last_on_gpu[compile]",
+    "ResNet-50 fp16 channels-last, --compile":
+        "tests/test_gpu_paths.py::test_resnet50_fp16_channels_last_on_gpu[compile]",
     "FSDP on one GPU (fsdp.yaml)":
         "tests/test_gpu_paths.py::test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints",
     "fp16 overflow steps counted": "tests/test_reliability.py::test_fp16_overflow_steps_are_counted",
@@ -86,7 +88,8 @@ def plan(work: Path) -> list:
              ["--data_dir", work / "photos", "--output_dir", work / "resnet50_jpeg", "--image_size", "224",
               "--num_workers", "16", *RESNET]),
         Step("resnet50_synthetic_compile", 95, "ResNet-50 bf16 channels-last, synthetic images on the GPU, --compile",
-             "scripts/benchmark_train.py", [*synthetic, "--compile", "--output_dir", work / "resnet50_synthetic_compile"]),
+             "scripts/benchmark_train.py",
+             [*synthetic, "--compile", "--output_dir", work / "resnet50_synthetic_compile"]),
     ]
 
 
@@ -165,6 +168,7 @@ def step_numbers(results: dict, timing: dict, samples: list, batch_size: int) ->
         "data_wait_share_median": statistics.median(shares),
         "data_wait_share_max": max(shares),
         "data_wait_share_overall": sum(waits[WARMUP_STEPS + 1:]) / sum(durations),
+        "data_wait_share_per_step": [round(share, 3) for share in shares],
         "gpu_utilisation_pct_mean": statistics.fmean(s[1] for s in window) if window else None,
         "gpu_utilisation_samples": len(window),
         "nvidia_smi_memory_used_mb_max": max((s[2] for s in samples), default=None),
@@ -172,7 +176,8 @@ def step_numbers(results: dict, timing: dict, samples: list, batch_size: int) ->
 
 
 def replicate_photos(source: Path, target: Path, copies: int) -> None:
-    """photos-jpeg's 192 training photos, each linked `copies` times (each link decoded afresh), its 64 val photos once."""
+    """photos-jpeg's 192 training photos, each linked `copies` times (each link is decoded afresh), its 64 val photos
+    once."""
     shutil.rmtree(target, ignore_errors=True)
     for split, times in (("train", copies), ("val", 1)):
         for photo in sorted((source / split).glob("*/*.jpg")):

@@ -12,6 +12,7 @@ export GPU_CHECK_STARTED=$(date +%s)   # the 8-minute budget counts from here, t
 site=/tmp/gpu_check_site
 # --no-deps: tests/gpu/wheels.txt names every package the image lacks; the image's torch stays as it is
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    .gpu_check/wheels/*.whl || { echo "error: the carried wheels did not install; run tests/gpu/prepare.sh here and carry .gpu_check"; exit 1; }
+    .gpu_check/wheels/*.whl || {
+    echo "error: the carried wheels did not install; run tests/gpu/prepare.sh here and carry .gpu_check"; exit 1; }
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 exec python3 tests/gpu/check.py "$@"

@@ -55,7 +55,8 @@ def main(argv) -> None:
         runpy.run_path(script, run_name="__main__")
     finally:
         if os.environ.get("RANK", "0") == "0":
-            Path(os.environ["STEP_TIMER_OUT"]).write_text(json.dumps({"step_ends": _Steps.ends, "wait_s": _Steps.waits}))
+            timing = {"step_ends": _Steps.ends, "wait_s": _Steps.waits}
+            Path(os.environ["STEP_TIMER_OUT"]).write_text(json.dumps(timing))
 
 
 if __name__ == "__main__":
