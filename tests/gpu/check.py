@@ -290,9 +290,16 @@ def run_check(out: Path, work: Path, started: float) -> dict:
             timeout = min(step.timeout_s, left)
             began = time.time()
             try:
-                if step.name == "environment":
-                    report["environment"] = environment()
-                    record["status"] = "ok"
+                if step.name == "environment":  # in its own process too: its timeout holds
+                    facts = work / "environment.json"
+                    status, tail = run_command([sys.executable, Path(__file__), "--environment", facts], timeout, log,
+                                               env)
+                    record.update(status="timeout" if status is None else ("ok" if status == 0 else "failed"),
+                                  returncode=status)
+                    if status == 0:
+                        report["environment"] = json.loads(facts.read_text())
+                    else:
+                        record["tail"] = tail[-2000:]
                 elif step.name == "pytest_gpu":
                     xml = out / "pytest_gpu.xml"
                     status, tail = run_command(pytest_command(xml), timeout, log, env)
@@ -403,7 +410,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="on the CPU: is everything carried?")
     parser.add_argument("--carried", type=Path, default=CARRIED, help="the carried folder (tests/gpu/prepare.sh)")
     parser.add_argument("--wheels_list", type=Path, default=GPU_DIR / "wheels.txt")
+    parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the first step: its facts, to this file
     args = parser.parse_args(argv)
+    if args.environment:
+        args.environment.write_text(json.dumps(environment()))
+        return 0
     if args.dry_run:
         problems, summary = dry_run_problems(args.carried, args.wheels_list, sys.executable)
         for key, value in summary.items():
