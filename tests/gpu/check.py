@@ -18,6 +18,7 @@ check goes on; a step with no time left in the budget is recorded as `skipped`):
   peak memory.
 
 Written to OUTPUT: check.json (everything), check.md (the tables), pytest_gpu.xml, check.log (every step's output).
+A rerun after a fix takes what failed alone: `bash tests/gpu/check.sh --only pytest_gpu --pytest_k fsdp`.
 """
 
 import argparse
@@ -240,13 +241,13 @@ def installed_requirement_problems() -> list:
     return problems
 
 
-def pytest_command(xml: Path) -> list:
+def pytest_command(xml: Path, select: str = None) -> list:
     """pytest -m gpu tests, in parallel (pytest-xdist) and each test stopped after 150 s (pytest-timeout), where the
     image has those plugins (tests/gpu/device_packages.txt says it has); xunit1: the XML keeps recorded properties."""
     from importlib.util import find_spec
 
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider", "--junitxml", xml,
-           "-o", "junit_family=xunit1"]
+           "-o", "junit_family=xunit1", *(["-k", select] if select else [])]
     if find_spec("xdist") is not None:
         cmd += ["-n", str(PYTEST_WORKERS)]
     if find_spec("pytest_timeout") is not None:
@@ -273,14 +274,14 @@ def junit_tests(path: Path) -> list:
     return tests
 
 
-def run_check(out: Path, work: Path, started: float) -> dict:
+def run_check(out: Path, work: Path, started: float, only=None, pytest_select=None) -> dict:
     deadline = started + BUDGET_S - 5  # 5 s to write the report
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
            "MNIST_10K_DIR": str(CARRIED / "data" / "mnist-10k")}  # tests/helpers.py: the real digits, carried
     report = {"budget_s": BUDGET_S, "steps": [], "tests": []}
     with open(out / "check.log", "w") as log:
-        for step in plan(work):
+        for step in [s for s in plan(work) if not only or s.name in ("environment", *only)]:
             left = deadline - time.time()
             record = {"name": step.name, "about": step.about, "timeout_s": step.timeout_s}
             report["steps"].append(record)
@@ -302,7 +303,7 @@ def run_check(out: Path, work: Path, started: float) -> dict:
                         record["tail"] = tail[-2000:]
                 elif step.name == "pytest_gpu":
                     xml = out / "pytest_gpu.xml"
-                    status, tail = run_command(pytest_command(xml), timeout, log, env)
+                    status, tail = run_command(pytest_command(xml, pytest_select), timeout, log, env)
                     report["tests"] = junit_tests(xml)
                     record.update(status="timeout" if status is None else ("ok" if status == 0 else "failed"),
                                   returncode=status, tail=tail[-2000:])
@@ -410,6 +411,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dry_run", "--dry-run", action="store_true", help="on the CPU: is everything carried?")
     parser.add_argument("--carried", type=Path, default=CARRIED, help="the carried folder (tests/gpu/prepare.sh)")
     parser.add_argument("--wheels_list", type=Path, default=GPU_DIR / "wheels.txt")
+    parser.add_argument("--only", nargs="+", choices=[s.name for s in plan(Path("."))][1:],
+                        help="a rerun after a fix: these steps alone (the environment step always runs)")
+    parser.add_argument("--pytest_k", help="with the pytest_gpu step: only the gpu tests this -k expression selects")
     parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the first step: its facts, to this file
     args = parser.parse_args(argv)
     if args.environment:
@@ -429,7 +433,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     started = float(os.environ.get("GPU_CHECK_STARTED", time.time()))  # check.sh's start: its install counts
-    report = run_check(out, work, started)
+    report = run_check(out, work, started, args.only, args.pytest_k)
     (out / "check.json").write_text(json.dumps(report, indent=1))
     table = markdown(report)
     (out / "check.md").write_text(table)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command (docs/gpus.md, "The GPU check"). On the device machine, with .gpu_check carried:
 #   bash tests/gpu/check.sh              # installs the carried wheels, runs tests/gpu/check.py: results in $OUT
+#   bash tests/gpu/check.sh --only pytest_gpu --pytest_k fsdp   # a rerun of what failed, after a fix
 # Here, on the CPU, after tests/gpu/prepare.sh:
 #   bash tests/gpu/check.sh --dry-run    # is everything it needs carried? (imports, wheels, data, flags, budget)
 set -uo pipefail
