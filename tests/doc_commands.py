@@ -137,6 +137,9 @@ def check_command(command: str, help_of):
     elif REPO_PATH.match(program) and program.endswith(".sh"):  # a wrapper: WRAPPER [ARGS] COMMAND...
         at = next(i for i, w in enumerate(words) if w in ("accelerate", "torchrun", "python"))
         check_command(shlex.join(words[at:]), help_of)
+    elif program == "bash" and REPO_PATH.match(words[1]) and words[1].endswith(".sh"):  # bash SCRIPT.sh [--option]
+        for option in (w for w in words[2:] if w.startswith("--")):
+            assert option in (REPO / words[1]).read_text(), f"{words[1]} takes no {option}: {command}"
     elif program in ("horovodrun", "ss"):
         pass  # Horovod is not installed (the "before" side); ss is iproute2's
     else:

@@ -18,8 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
 EXIT_CHECK = REPO / "tests" / "exit_check"  # its sitecustomize.py: see run()
-# Real digits shared by the workplace; a user's clone has no ../shared.
-MNIST_10K = REPO.parent / "shared" / "data" / "mnist-10k"
+# Real digits shared by the workplace; a user's clone has no ../shared. $MNIST_10K_DIR: where the GPU check carried them.
+MNIST_10K = Path(os.environ.get("MNIST_10K_DIR") or REPO.parent / "shared" / "data" / "mnist-10k")
 requires_mnist_10k = pytest.mark.skipif(
     not (MNIST_10K / "train-images-idx3-ubyte.gz").is_file(),
     reason=f"real-data test: {MNIST_10K} is absent (a plain clone has no ../shared); generated-data tests still run",

@@ -36,6 +36,12 @@ FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
 
 
+def record_numbers(record_property, results: dict, *keys) -> None:
+    """Into the junit XML (--junitxml), where tests/gpu/check.py reads them: the numbers a GPU run measured."""
+    for key in keys:
+        record_property(key, results.get(key))
+
+
 def gpu_launch(script_args, script=TRAIN_MNIST, config_file=None, **kwargs):
     """accelerate launch on the GPU: no --cpu, one process unless the config says otherwise."""
     if config_file is not None:
@@ -78,9 +84,11 @@ def test_fsdp_launch_with_cpu_is_refused_in_one_line(synthetic_mnist, tmp_path):
 @needs_cuda
 @requires_mnist_10k
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_train_mnist_mixed_precision_on_gpu(precision, tmp_path):
+def test_train_mnist_mixed_precision_on_gpu(precision, tmp_path, record_property):
     gpu_launch(["--data_dir", MNIST_10K, "--output_dir", tmp_path, "--mixed_precision", precision])
     r = results(tmp_path)
+    record_numbers(record_property, r, "eval_accuracy", "optimizer_steps_skipped", "peak_memory_mb",
+                   "train_samples_per_second")
     assert r["mixed_precision"] == precision and r["num_processes"] == 1
     assert r["eval_accuracy"] >= 0.98 and r["eval_samples"] == 2000  # the CPU floor
     assert r["grad_scaler"] is (precision == "fp16")  # loss scaling only for fp16
@@ -112,13 +120,14 @@ def test_fp16_resume_is_bit_exact_with_deterministic(tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("extra", [["--channels_last"], ["--channels_last", "--compile"]], ids=["eager", "compile"])
-def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path):
+def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path, record_property):
     data = make_split_image_folder(tmp_path / "data", train_per_class=128, val_per_class=16)
     out = tmp_path / "out"
     gpu_launch(["--data_dir", data, "--output_dir", out, "--model", "resnet50", "--image_size", "128",
                 "--batch_size", "64", "--epochs", "2", "--mixed_precision", "fp16", "--num_workers", "4", *extra],
                script=CLASSIFIER)
     r = results(out)
+    record_numbers(record_property, r, "compiled", "train_samples_per_second", "peak_memory_mb")
     assert r["mixed_precision"] == "fp16" and r["grad_scaler"] is True and math.isfinite(r["train_loss"])
     assert r["eval_samples"] == 4 * 16 and r["samples_seen"] == 2 * (4 * 128 // 64) * 64
     model = torchvision.models.resnet50(num_classes=4)
@@ -149,13 +158,14 @@ def test_the_uint8_batch_becomes_the_mixed_precision_input_on_the_gpu_in_one_cop
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints(tmp_path):
+def test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints(tmp_path, record_property):
     """FSDP2 through accelerate_configs/fsdp.yaml on one GPU: the checkpoints hold sharded state that
     resumes; model.safetensors holds the full weights under the plain model's names."""
     data = make_synthetic_mnist(tmp_path / "data", num_train=1024, num_test=101)
     common = ["--data_dir", data, "--epochs", "2", "--batch_size", "32"]
     gpu_launch([*common, "--output_dir", tmp_path / "a", "--checkpointing_steps", "40"], config_file=FSDP_CONFIG)
     r = results(tmp_path / "a")
+    record_numbers(record_property, r, "sharded", "eval_accuracy", "peak_memory_mb")
     assert r["sharded"] is True and len(r["parameter_fingerprints"]) == 1
     ConvNet().load_state_dict(load_file(tmp_path / "a" / "model.safetensors"))
     (tmp_path / "resumed").mkdir()

@@ -1,0 +1,121 @@
+"""The GPU check (tests/gpu/check.sh) on the CPU: its dry run passes when everything it needs is carried and names
+what is missing when something is not; the step timer and the numbers made of it, on a CPU run."""
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+from helpers import REPO, launcher_args, make_synthetic_mnist, results, run
+
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+import check  # noqa: E402
+import dry_run  # noqa: E402
+
+SHARED_DATA = REPO.parent / "shared" / "data"
+requires_shared_data = pytest.mark.skipif(
+    not all((SHARED_DATA / name / "SHA256SUMS").is_file() for name in check.DATA_SETS),
+    reason=f"the check carries {SHARED_DATA}'s data sets, absent here (a plain clone has no ../shared)")
+
+
+def write_wheel(folder, name, version, requires=()):
+    """A wheel as pip download saves it, as far as the dry run reads one: its file name and METADATA."""
+    metadata = "\n".join(["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}",
+                          *(f"Requires-Dist: {r}" for r in requires)])
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as archive:
+        archive.writestr(f"{name}-{version}.dist-info/METADATA", metadata + "\n")
+
+
+@pytest.fixture
+def carried(tmp_path):
+    """.gpu_check as tests/gpu/prepare.sh fills it: the listed wheels (datasets' with its requirements), the data."""
+    folder = tmp_path / "carried"
+    (folder / "wheels").mkdir(parents=True)
+    for name, version in dry_run.read_pins(check.GPU_DIR / "wheels.txt").items():
+        requires = ["pyarrow>=24.0.0", "dill<0.4.2,>=0.3.0", "multiprocess<0.70.20",
+                    "huggingface-hub<3.0,>=1.31.0"] if name == "datasets" else []
+        write_wheel(folder / "wheels", name, version, requires)
+    for name in check.DATA_SETS:
+        shutil.copytree(SHARED_DATA / name, folder / "data" / name)
+    return folder
+
+
+@requires_shared_data
+def test_dry_run_passes_when_everything_is_carried(carried):
+    proc = subprocess.run([sys.executable, check.GPU_DIR / "check.py", "--dry-run", "--carried", carried], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "dry run: 0 problem(s)" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    collected = int(proc.stdout.split("gpu_tests: ")[1].split()[0])
+    assert collected >= len(check.HEADLINES)  # and each headline test is among them, or the dry run says which not
+
+
+def remove_simplejpeg_from_the_list(carried, tmp_path):
+    listed = tmp_path / "wheels.txt"
+    listed.write_text("".join(line for line in (check.GPU_DIR / "wheels.txt").read_text().splitlines(keepends=True)
+                              if not line.startswith("simplejpeg")))
+    return carried, listed, ["utils/image_data.py imports simplejpeg", "holds simplejpeg"]
+
+
+def lose_a_carried_wheel(carried, tmp_path):
+    next((carried / "wheels").glob("pexpect-*.whl")).unlink()
+    return carried, check.GPU_DIR / "wheels.txt", ["lists pexpect==4.9.0", "holds none"]
+
+
+def carry_a_wheel_that_needs_more(carried, tmp_path):
+    write_wheel(carried / "wheels", "evaluate", "0.4.6", ["datasets>=2.0.0", "lmdb>=1.0"])  # replaces the listed one
+    return carried, check.GPU_DIR / "wheels.txt", ["evaluate-0.4.6-py3-none-any.whl needs lmdb>=1.0"]
+
+
+def lose_a_photo(carried, tmp_path):
+    next((carried / "data" / "photos-jpeg" / "val").rglob("*.jpg")).unlink()
+    return carried, check.GPU_DIR / "wheels.txt", ["is missing (listed in SHA256SUMS)"]
+
+
+@requires_shared_data
+@pytest.mark.parametrize("break_it", [remove_simplejpeg_from_the_list, lose_a_carried_wheel,
+                                      carry_a_wheel_that_needs_more, lose_a_photo])
+def test_dry_run_names_what_would_be_missing_on_the_device(break_it, carried, tmp_path):
+    folder, wheels_list, expected = break_it(carried, tmp_path)
+    problems, _ = check.dry_run_problems(folder, wheels_list, sys.executable, collect=False)
+    for words in expected:
+        assert any(words in problem for problem in problems), problems
+
+
+@requires_shared_data
+def test_dry_run_names_a_new_import_and_a_plan_over_the_budget(carried, tmp_path, monkeypatch):
+    new_module = tmp_path / "uses_lmdb.py"
+    new_module.write_text("def open_shards(path):\n    import lmdb  # a script's new dependency\n")
+    source_files = dry_run.source_files
+    monkeypatch.setattr(dry_run, "source_files", lambda repo: [*source_files(repo), new_module])
+    plan = check.plan
+    monkeypatch.setattr(check, "plan", lambda work: [*plan(work), check.Step("one_more", 60, "a new step")])
+    problems, _ = check.dry_run_problems(carried, check.GPU_DIR / "wheels.txt", sys.executable, collect=False)
+    assert any("uses_lmdb.py imports lmdb" in p and "lmdb==VERSION" in p for p in problems), problems
+    assert any(f"> {check.BUDGET_S} s" in p for p in problems), problems
+
+
+def test_step_numbers_are_the_steady_steps_wait_over_their_wall_time():
+    ends = [float(i) for i in range(check.WARMUP_STEPS + 5)]  # one step a second
+    waits = [0.9] * (check.WARMUP_STEPS + 1) + [0.0, 0.5, 0.25, 0.25]  # the warm-up's waits do not count
+    samples = [(t + 0.5, 50.0 + t, 1000.0) for t in ends]  # nvidia-smi's: (time, utilisation %, memory MB)
+    numbers = check.step_numbers({"train_samples_per_second": 250.0, "peak_memory_mb": 9.0},
+                                 {"step_ends": ends, "wait_s": waits}, samples, batch_size=256)
+    assert numbers["images_per_s_between_steps"] == 256
+    assert numbers["data_wait_share_median"] == 0.25 and numbers["data_wait_share_max"] == 0.5
+    assert numbers["data_wait_share_overall"] == 0.25
+    steady = [50.0 + t for t in ends[check.WARMUP_STEPS:-1]]  # samples from the warm-up's end to the last step
+    assert numbers["gpu_utilisation_pct_mean"] == sum(steady) / len(steady)
+
+
+def test_step_timer_stamps_every_optimizer_step_of_a_script_run_unchanged(tmp_path):
+    data = make_synthetic_mnist(tmp_path / "data", num_train=640, num_test=101)
+    timing = tmp_path / "steps.json"
+    run([*launcher_args(1), check.GPU_DIR / "step_timer.py", REPO / "scripts" / "train_mnist.py", "--cpu",
+         "--data_dir", data, "--output_dir", tmp_path / "out", "--batch_size", "64", "--epochs", "2"],
+        env={"STEP_TIMER_OUT": str(timing)})
+    steps = json.loads(timing.read_text())
+    assert len(steps["step_ends"]) == len(steps["wait_s"]) == results(tmp_path / "out")["global_step"] == 20
+    assert steps["step_ends"] == sorted(steps["step_ends"]) and all(w >= 0 for w in steps["wait_s"])
+    assert sum(steps["wait_s"]) > 0  # the DataLoader was waited on (the first batch of each epoch at least)
