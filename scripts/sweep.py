@@ -62,9 +62,11 @@ def parse_grid(items) -> dict:
     return grid
 
 
-def failure_reason(log_file: Path, exit_code: int) -> str:
-    """The run's own one-line error, if it printed one (our scripts do), else where to look."""
-    errors = [line for line in log_file.read_text(errors="replace").splitlines() if line.startswith("error: ")]
+def failure_reason(log_file: Path, exit_code: int, start: int = 0) -> str:
+    """The run's own one-line error, if it printed one (our scripts do) after byte `start` of its log (where this
+    launch began writing), else where to look."""
+    text = log_file.read_bytes()[start:].decode(errors="replace")
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
     return f"failed: {errors[-1][len('error: '):]}" if errors else f"failed (exit {exit_code}): see {log_file}"
 
 
@@ -125,9 +127,11 @@ def main(args):
             output_dir.mkdir(parents=True, exist_ok=True)
             record_trial(output_dir, command, exit_code=None)  # started: a rerun resumes it until it ends with 0
             with open(output_dir / "launch.log", "a" if state == "unfinished" else "w") as log:
+                start = log.tell()  # an earlier launch's output stays above
                 code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
             record_trial(output_dir, command, exit_code=code)
-            status = "ok" if code == 0 and results_file.is_file() else failure_reason(output_dir / "launch.log", code)
+            status = "ok" if code == 0 and results_file.is_file() else \
+                failure_reason(output_dir / "launch.log", code, start)
         if status in ("ok", "done before"):
             results = json.loads(results_file.read_text())
             cells = [fmt.format(results[key]) if results.get(key) is not None else "-" for key, fmt in COLUMNS.items()]

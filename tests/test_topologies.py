@@ -205,7 +205,7 @@ def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synt
     assert other.returncode == 1 and "done before" not in other.stdout and "accelerate launch" not in other.stdout
     assert other.stderr.strip().splitlines() == [
         f"error: {root / 'learning_rate_0.003'} was run by another command (`--epochs 1` then, `--epochs 2` now): its "
-        f"results are not this command's; give this sweep another --output_dir, or the command it was run with"]
+        f"files belong to that run; give this sweep another --output_dir, or the command it was run with"]
     assert (root / "summary.md").read_text() == summary
 
 

@@ -18,6 +18,7 @@ from utils.errors import UserError
 
 TRIAL_RECORD = "sweep_trial.json"  # in each trial's folder: {"command": ..., "exit_code": ...}
 RESULTS = "results.json"  # what a finished run of our scripts writes last
+LAUNCH_LOG = "launch.log"  # the launch's whole output
 # argparse lists each option at this indent in --help; help text wraps at a deeper one
 OPTION_LINE = re.compile(r"^  (-.*?)(?:  |$)", re.MULTILINE)
 
@@ -82,25 +83,31 @@ def differences(recorded: dict, command: dict) -> str:
     return "; ".join(parts)
 
 
-def trial_state(folder: Path, command: dict) -> str:
-    """'new' (no folder, or an empty one), 'done' (this command ended with exit 0 and results.json) or 'unfinished'
-    (this command was started and did not end so: interrupted or failed); UserError for a folder holding another
-    command's trial or files of no trial."""
-    record_file = folder / TRIAL_RECORD
-    if not record_file.is_file():
-        if folder.is_dir() and any(folder.iterdir()):
-            raise UserError(f"{folder} holds files but no {TRIAL_RECORD}: not a trial of a sweep, or of an older "
-                            f"sweep.py; give this sweep another --output_dir")
-        return "new"
+def read_record(folder: Path) -> dict:
     try:
-        recorded = json.loads(record_file.read_text())
+        return json.loads((folder / TRIAL_RECORD).read_text())
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError) as err:
-        raise UserError(f"{record_file} is unreadable ({type(err).__name__}); delete {folder} to rerun it") from None
-    if not same_command(recorded.get("command", {}), command):
-        raise UserError(f"{folder} was run by another command ({differences(recorded.get('command', {}), command)}): "
-                        f"its results are not this command's; give this sweep another --output_dir, or the "
-                        f"command it was run with")
-    return "done" if recorded.get("exit_code") == 0 and (folder / RESULTS).is_file() else "unfinished"
+        raise UserError(f"{folder / TRIAL_RECORD} is unreadable ({type(err).__name__}); delete {folder} to rerun "
+                        f"its run") from None
+
+
+def trial_state(folder: Path, command: dict) -> str:
+    """'new', 'done' (this command ended with exit 0 and results.json) or 'unfinished' (this command was started and
+    did not end so: interrupted or failed); UserError for a folder holding files of another command's run or of no
+    sweep's."""
+    recorded = read_record(folder).get("command")
+    if not folder.is_dir() or {path.name for path in folder.iterdir()} <= {TRIAL_RECORD, LAUNCH_LOG}:
+        # never launched, or a launch that stopped before writing anything (say, at a wrong --data_dir): nothing to keep
+        return "unfinished" if recorded is not None and same_command(recorded, command) else "new"
+    if recorded is None:
+        raise UserError(f"{folder} holds files but no {TRIAL_RECORD}: not a run of a sweep, or of an older sweep.py; "
+                        f"give this sweep another --output_dir")
+    if not same_command(recorded, command):
+        raise UserError(f"{folder} was run by another command ({differences(recorded, command)}): its files belong "
+                        f"to that run; give this sweep another --output_dir, or the command it was run with")
+    return "done" if read_record(folder).get("exit_code") == 0 and (folder / RESULTS).is_file() else "unfinished"
 
 
 def record_trial(folder: Path, command: dict, exit_code) -> None:
