@@ -75,8 +75,10 @@ def same_command(recorded: dict, command: dict) -> bool:
 def differences(recorded: dict, command: dict) -> str:
     """'`--epochs 1` then, `--epochs 2` now': what separates two trial commands, briefly."""
     before, now = option_groups(recorded.get("args", [])), option_groups(command["args"])
-    parts = [f"`{' '.join((before - now).elements()) or 'nothing'}` then, `{' '.join((now - before).elements()) or 'nothing'}` now"] \
-        if before != now else []
+    parts = []
+    if before != now:
+        then_only, now_only = " ".join((before - now).elements()), " ".join((now - before).elements())
+        parts.append(f"`{then_only or 'nothing'}` then, `{now_only or 'nothing'}` now")
     for key, label in (("script", "script"), ("config_file", "--config_file")):
         if recorded.get(key) != command[key]:
             parts.append(f"{label} {recorded.get(key)} then, {command[key]} now")
