@@ -9,7 +9,7 @@ The launcher starts the processes (no --local_rank, no init_process_group), mixe
 amp.initialize and amp.scale_loss, prepare() wraps the model in PyTorch's DDP and shards the loaders, which put
 the batches on the device (no data_prefetcher), gather_for_metrics makes the evaluation exact (no reduce_tensor
 of per-batch precisions), and save_state/load_state keep everything a resume needs.
-docs/converting_a_ddp_script.md walks through the diff.
+docs/converting_an_apex_amp_script.md walks through the diff.
 """
 
 import argparse

@@ -7,7 +7,7 @@ scripts/baselines/horovod_mnist.py, converted with as few changes as possible, e
 
 The launcher starts the processes (no horovodrun), prepare() shards the loaders and wraps the model in DDP, which
 broadcasts the weights and averages the gradients (no broadcast_parameters, no DistributedOptimizer), and
-gather_for_metrics makes the test metrics exact (no metric_average). docs/converting_a_ddp_script.md walks
+gather_for_metrics makes the test metrics exact (no metric_average). docs/converting_a_horovod_script.md walks
 through the diff.
 """
 

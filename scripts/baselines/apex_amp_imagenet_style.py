@@ -16,7 +16,7 @@ reduce_tensor, --deterministic seeding each process with its local rank, and a c
 0 with a model_best copy, resumed with --resume. -b is per process. Left out: torchvision's ImageFolder and
 fast_collate (the four gzipped MNIST IDX files instead), --arch (a small ConvNet), --prof, --sync_bn and the timing
 columns. apex cannot be installed here: the tests run this script on the stand-in in tests/standins/apex (O0) on
-the CPU. `diff` it with the converted script to see the whole migration (docs/converting_a_ddp_script.md).
+the CPU. `diff` it with the converted script to see the whole migration (docs/converting_an_apex_amp_script.md).
 """
 
 import argparse

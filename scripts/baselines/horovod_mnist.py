@@ -12,7 +12,7 @@ torch.cuda.amp with synchronize()/skip_synchronize(), and test metrics averaged 
 hvd.allreduce. It reads the four gzipped MNIST IDX files instead of downloading them, and saves the weights from
 rank 0 as Horovod's documentation advises. Horovod cannot be installed here: the tests run this script on the
 stand-in in tests/standins/horovod, over torch.distributed under torchrun. `diff` it with the converted script to
-see the whole migration (docs/converting_a_ddp_script.md walks through it).
+see the whole migration (docs/converting_a_horovod_script.md walks through it).
 """
 
 import argparse

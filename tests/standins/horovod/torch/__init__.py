@@ -5,6 +5,7 @@ import contextlib
 import os
 
 import torch
+import torch.distributed.nn  # noqa: F401  before any process group: docs/migration_guide.md, "Ending a run cleanly"
 import torch.distributed as dist
 
 Average, Sum, Adasum = "average", "sum", "adasum"
