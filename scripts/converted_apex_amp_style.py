@@ -2,7 +2,7 @@
 """MNIST trained the way NVIDIA apex's examples/imagenet/main_amp.py trains ImageNet, on Accelerate: the "after" of
 scripts/baselines/apex_amp_imagenet_style.py, converted with as few changes as possible, each marked `# [accelerate]`.
 
-    accelerate launch --multi_gpu --num_processes 8 --mixed_precision fp16 scripts/converted_apex_amp_style.py path/to/MNIST/raw
+    accelerate launch --multi_gpu --num_processes 8 scripts/converted_apex_amp_style.py path/to/MNIST/raw --opt-level O1
     accelerate launch --multi_gpu --num_processes 2 scripts/converted_apex_amp_style.py path/to/MNIST/raw --cpu
 
 The launcher starts the processes (no --local_rank, no init_process_group), mixed precision replaces
@@ -114,7 +114,7 @@ def main():
 
     # [accelerate] no DistributedSampler: prepare() shards the loaders; pin_memory makes the copies asynchronous
     train_loader = torch.utils.data.DataLoader(
-        train_dataset, batch_size=args.batch_size, shuffle=True,
+        train_dataset, batch_size=args.batch_size, shuffle=True,  # [accelerate]
         num_workers=args.workers, pin_memory=use_cuda)
 
     val_loader = torch.utils.data.DataLoader(
@@ -219,6 +219,7 @@ def validate(val_loader, model, criterion, accelerator):  # [accelerate]
         top1.update(prec1.item(), target.size(0))
         top5.update(prec5.item(), target.size(0))
 
+    # [accelerate] printed once; the before printed on every process
     accelerator.print(" * Prec@1 {top1.avg:.3f} Prec@5 {top5.avg:.3f} Loss {loss.avg:.6f} ({top1.count} images)"
           .format(top1=top1, top5=top5, loss=losses))
 

@@ -3,7 +3,7 @@
 scripts/baselines/horovod_mnist.py, converted with as few changes as possible, each marked `# [accelerate]`.
 
     accelerate launch --multi_gpu --num_processes 4 scripts/converted_horovod_style.py --data-dir path/to/MNIST/raw
-    accelerate launch --multi_gpu --num_processes 2 scripts/converted_horovod_style.py --data-dir path/to/MNIST/raw --no-cuda
+    accelerate launch --multi_gpu --num_processes 2 scripts/converted_horovod_style.py --data-dir MNIST/raw --no-cuda
 
 The launcher starts the processes (no horovodrun), prepare() shards the loaders and wraps the model in DDP, which
 broadcasts the weights and averages the gradients (no broadcast_parameters, no DistributedOptimizer), and
@@ -29,7 +29,8 @@ from torch.utils.data import TensorDataset
 
 # Training settings
 parser = argparse.ArgumentParser(description="PyTorch MNIST Example")
-parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size for training (per worker)")
+parser.add_argument("--batch-size", type=int, default=64, metavar="N",
+                    help="input batch size for training (per worker)")
 parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N", help="input batch size for testing")
 parser.add_argument("--epochs", type=int, default=10, metavar="N", help="number of epochs to train")
 parser.add_argument("--lr", type=float, default=0.01, metavar="LR", help="learning rate of one worker")
@@ -37,8 +38,10 @@ parser.add_argument("--momentum", type=float, default=0.5, metavar="M", help="SG
 parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
 parser.add_argument("--seed", type=int, default=42, metavar="S", help="random seed")
 parser.add_argument("--log-interval", type=int, default=10, metavar="N", help="batches between training logs")
-parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
-parser.add_argument("--use-mixed-precision", action="store_true", default=False, help="use mixed precision for training")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
+parser.add_argument("--use-mixed-precision", action="store_true", default=False,
+                    help="use mixed precision for training")
 parser.add_argument("--data-dir", required=True, help="folder with the four gzipped MNIST IDX files")
 parser.add_argument("--train-samples", type=int, help="train on the first N training images only")
 parser.add_argument("--test-samples", type=int, help="test on the first N test images only")
@@ -152,7 +155,8 @@ def train(args):
     # [accelerate] without --no-cuda on a machine without GPUs, `accelerate launch --multi_gpu` starts lone processes
     if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", 1)):
         sys.exit(f"error: accelerate launch started {os.environ['WORLD_SIZE']} processes, but they did not form one "
-                 f"group: on a machine without GPUs add --no-cuda to the script's flags (and --multi_gpu to the launch's)")
+                 f"group: on a machine without GPUs add --no-cuda to the script's flags "
+                 f"(and --multi_gpu to the launch's)")
     set_seed(args.seed)  # [accelerate] torch.manual_seed and torch.cuda.manual_seed
     if args.use_mixed_precision and not args.cuda:
         raise ValueError("Mixed precision is only supported with cuda enabled.")

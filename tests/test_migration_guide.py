@@ -5,8 +5,8 @@ Marker convention, on the line before a ```python fence (every Python block need
     <!-- runnable -->                      python snippet.py
     <!-- runnable: accelerate launch 2 --> accelerate launch --multi_gpu --num_processes 2 --main_process_port 0
     <!-- runnable: torchrun 2 -->          python -m torch.distributed.run --standalone --nproc_per_node 2
-    <!-- runnable: horovod stand-in, torchrun 2 -->  the same, with tests/standins on PYTHONPATH: `import horovod.torch`
-                                           loads a stand-in of Horovod over torch.distributed (Horovod cannot be installed)
+    <!-- runnable: horovod stand-in, torchrun 2 -->  the same, with tests/standins on PYTHONPATH: `import
+                                           horovod.torch` loads a stand-in of Horovod over torch.distributed
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
 break a launched job (the environment variables to delete) are compile-only and launched by their own test.

@@ -29,7 +29,8 @@ from torch.utils.data import TensorDataset
 
 # Training settings
 parser = argparse.ArgumentParser(description="PyTorch MNIST Example")
-parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size for training (per worker)")
+parser.add_argument("--batch-size", type=int, default=64, metavar="N",
+                    help="input batch size for training (per worker)")
 parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N", help="input batch size for testing")
 parser.add_argument("--epochs", type=int, default=10, metavar="N", help="number of epochs to train")
 parser.add_argument("--lr", type=float, default=0.01, metavar="LR", help="learning rate of one worker")
@@ -37,8 +38,10 @@ parser.add_argument("--momentum", type=float, default=0.5, metavar="M", help="SG
 parser.add_argument("--no-cuda", action="store_true", default=False, help="disables CUDA training")
 parser.add_argument("--seed", type=int, default=42, metavar="S", help="random seed")
 parser.add_argument("--log-interval", type=int, default=10, metavar="N", help="batches between training logs")
-parser.add_argument("--fp16-allreduce", action="store_true", default=False, help="use fp16 compression during allreduce")
-parser.add_argument("--use-mixed-precision", action="store_true", default=False, help="use mixed precision for training")
+parser.add_argument("--fp16-allreduce", action="store_true", default=False,
+                    help="use fp16 compression during allreduce")
+parser.add_argument("--use-mixed-precision", action="store_true", default=False,
+                    help="use mixed precision for training")
 parser.add_argument("--use-adasum", action="store_true", default=False, help="use adasum algorithm to do reduction")
 parser.add_argument("--gradient-predivide-factor", type=float, default=1.0,
                     help="apply gradient predivide factor in optimizer")
