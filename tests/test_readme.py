@@ -145,7 +145,7 @@ def downloads(words: list):
         return "a Hub dataset"
     if "--pretrained" in words:
         return "pretrained weights"
-    if "--data_dir" in words:
+    if "--data_dir" in words or "--data-dir" in words:  # --data-dir: the Horovod-style scripts' spelling
         return None
     models = words[words.index("--models") + 1] if "--models" in words else "mnist"
     for script in (word for word in words if MNIST_SCRIPTS.match(word)):
@@ -194,6 +194,9 @@ RUN_ELSEWHERE = {
     "scripts/predict.py": "needs a trained run: tests/test_predict.py runs the documents' predict.py commands",
     "scripts/converted_ddp_imagenet_style.py": "takes its data as a positional argument: "
                                                "tests/test_whole_script_conversion.py runs it",
+    "scripts/converted_horovod_style.py": "tests/test_whole_script_conversion.py runs it beside its Horovod original",
+    "scripts/converted_apex_amp_style.py": "takes its data as a positional argument: "
+                                           "tests/test_whole_script_conversion.py runs it",
 }
 RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
 
