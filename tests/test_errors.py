@@ -50,6 +50,7 @@ def test_corrupt_idx_file(data, tmp_path):
     ("--epochs", "two", ["--epochs", "positive integer"]),
     ("--learning_rate", "-1", ["--learning_rate", "positive number"]),
     ("--learning_rate", "nan", ["--learning_rate", "positive number"]),
+    ("--learning_rate", "0", ["--learning_rate", "positive number"]),  # a run that cannot learn
     ("--checkpointing_steps", "sometimes", ["--checkpointing_steps", "'epoch' or a positive integer"]),
     ("--gradient_accumulation_steps", "-2", ["--gradient_accumulation_steps", "positive integer"]),
     ("--mixed_precision", "fp8", ["--mixed_precision", "invalid choice: 'fp8'"]),
