@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, launch, make_synthetic_mnist, results
+from helpers import REPO, launch, load_script, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
 from utils.flags import LR_SCHEDULER_TYPES
@@ -64,6 +64,15 @@ def test_onecycle_without_warmup_flags_is_the_mnist_recipe_exactly():
     assert learning_rates("onecycle") == expected
     rates = learning_rates("onecycle", warmup_steps=10)  # its rising phase: 10 steps, the peak after them
     assert max(rates) == pytest.approx(PEAK) and rates.index(max(rates)) == 9
+
+
+def test_warmup_steps_replace_the_scripts_default_warmup_epochs():
+    """train_image_classifier.py warms up 1 epoch by default; --warmup_steps replaces that (the two are exclusive)."""
+    script = load_script(CLASSIFIER)
+    assert (script.parse_args(["--data_dir", "d"]).warmup_epochs, script.parse_args(["--data_dir", "d"]).warmup_steps) \
+        == (1.0, None)
+    args = script.parse_args(["--data_dir", "d", "--warmup_steps", "5"])
+    assert (args.warmup_epochs, args.warmup_steps) == (None, 5)
 
 
 def test_the_optimizers_take_the_learning_rate_weight_decay_and_momentum_given():
