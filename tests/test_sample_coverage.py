@@ -62,7 +62,8 @@ def global_order(per_rank, batch_size):
 
 
 def assert_ok(proc):
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    """The end of a failed run's output, with the stacks that tests/sample_recorder.py prints for a stopped process."""
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
 
 
 def training_state(checkpoint):
