@@ -117,6 +117,18 @@ def test_resume_from_best_without_eval_only_is_one_line(capsys):
     assert "evaluate them with --eval_only" in line
 
 
+def test_early_stopping_alone_watches_the_eval_loss_as_the_trainer():
+    from utils.flags import build_mnist_parser, check_flag_combinations
+
+    parser = build_mnist_parser("test")
+    for flags, metric in ((["--early_stopping_patience", "2"], "eval_loss"),
+                          (["--early_stopping_patience", "2", "--metric_for_best", "eval_accuracy"], "eval_accuracy"),
+                          ([], None)):
+        args = parser.parse_args(flags)
+        check_flag_combinations(parser, args)
+        assert args.metric_for_best == metric, flags
+
+
 def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
     import importlib.util
 
