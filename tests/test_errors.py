@@ -66,6 +66,14 @@ def test_invalid_flag_values(flag, value, words, capsys):
         assert word in line
 
 
+def test_a_librarys_error_is_cut_to_its_first_line_or_named_by_its_type():
+    from utils.errors import first_line
+
+    assert first_line(RuntimeError("shapes differ\n  at layer 3\n  ...")) == "shapes differ"
+    assert first_line(KeyError()) == "KeyError" and first_line(ValueError("  \n")) == "ValueError"
+    assert first_line(OSError("x" * 500)) == "x" * 200
+
+
 def test_offline_without_data_dir_names_the_flag(tmp_path):
     # conftest sets HF_HUB_OFFLINE=1 and an empty HF_HOME: the Hub cannot be reached.
     proc = train("--output_dir", tmp_path / "out")
