@@ -37,7 +37,7 @@ def test_shell_scripts_pass_bash_n_and_shellcheck(script):
 
 
 @pytest.mark.parametrize("cpus_on_node, threads", [(8, 4), (3, 1), (1, 1)])
-def test_one_gpu_job_gives_each_process_its_share_of_the_nodes_cpus_as_threads(tmp_path, cpus_on_node, threads):
+def test_multigpu_job_gives_each_process_its_share_of_the_nodes_cpus_as_threads(tmp_path, cpus_on_node, threads):
     """Without Slurm: the batch script run by bash as sbatch would, with an `accelerate` that prints what it was given.
     2 GPUs on the node: 2 processes, each with OMP_NUM_THREADS = CPUs // 2 (at least 1): never more threads than CPUs."""
     stub = tmp_path / "bin" / "accelerate"
