@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from utils.data import load_mnist_idx
 from utils.errors import UserError
 from utils.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
-from utils.results import write_text_atomically
+from utils.results import check_writable_file, write_text_atomically
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -219,6 +219,16 @@ def test_the_rows_are_in_input_order_whatever_the_order_gathered():
     twice = tuple([torch.cat(column)[[2, 1, 1, 5, 3]]] for column in columns)  # inputs 0, 2, 2, 3, 4: 1 is missing
     with pytest.raises(RuntimeError, match="not each once"):
         predictions_csv(twice, inputs, batches, ["a", "b", "c"], top_k=1)
+
+
+def test_an_output_file_that_is_a_folder_or_in_a_file_is_refused_before_the_work(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(UserError, match=f"cannot write --output_file {tmp_path} \\(it is a folder\\)"):
+        check_writable_file(tmp_path, "--output_file")
+    with pytest.raises(UserError, match="cannot write --output_file .*a_file/p.csv"):
+        check_writable_file(tmp_path / "a_file" / "p.csv", "--output_file")
+    check_writable_file(tmp_path / "new" / "p.csv", "--output_file")  # its folder is made
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "p.csv").exists()
 
 
 def test_the_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
