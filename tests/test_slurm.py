@@ -39,7 +39,7 @@ def test_shell_scripts_pass_bash_n_and_shellcheck(script):
 @pytest.mark.parametrize("cpus_on_node, threads", [(8, 4), (3, 1), (1, 1)])
 def test_multigpu_job_gives_each_process_its_share_of_the_nodes_cpus_as_threads(tmp_path, cpus_on_node, threads):
     """Without Slurm: the batch script run by bash as sbatch would, with an `accelerate` that prints its arguments.
-    2 GPUs on the node: 2 processes, each with OMP_NUM_THREADS = CPUs // 2 (at least 1), never more threads than CPUs."""
+    2 GPUs on the node: 2 processes, each with OMP_NUM_THREADS = CPUs // 2, at least 1: never more threads than CPUs."""
     stub = tmp_path / "bin" / "accelerate"
     stub.parent.mkdir()
     stub.write_text('#!/bin/sh\necho "OMP_NUM_THREADS=$OMP_NUM_THREADS $*"\n')
