@@ -29,10 +29,10 @@ MNIST_CLASS_NAMES = [str(digit) for digit in range(10)]
 # What the image classifier's model and inputs are rebuilt from: run.json keys, then results.json keys
 IMAGE_RUN_KEYS = ("model", "pretrained", "image_size", "augmentation", "val_split")
 IMAGE_RESULT_KEYS = ("class_names", "stem")
-# run.json keys a resume may change (utils/checkpoints.py start_output_dir; epochs, max_steps: train_image_classifier.py
+# run.json keys a resume may change (utils/run_folder.py start_output_dir; epochs, max_steps: train_image_classifier.py
 # only): best/ keeps those of its time
-RESUMABLE_KEYS = {"epochs", "max_steps", "num_processes", "batch_size_per_process", "gradient_accumulation_steps",
-                  "global_batch_size"}
+RESUMABLE_KEYS = {"epochs", "max_steps", "early_stopping_patience", "num_processes", "batch_size_per_process",
+                  "gradient_accumulation_steps", "global_batch_size"}
 
 
 @dataclass

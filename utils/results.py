@@ -212,6 +212,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "learning_rate": args.learning_rate,
             "seed": args.seed,
             "resumed_from": str(checkpoint) if checkpoint is not None else None,
+            # the run.json of this run: a restart of the same command finds it finished (utils/run_folder.py)
+            "run": read_run_record(args.output_dir),
             "max_grad_norm": args.max_grad_norm,
             "parameter_fingerprints": [row[0] for row in replicas],
             "buffer_fingerprints": [row[1] for row in replicas],
