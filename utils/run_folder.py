@@ -99,7 +99,9 @@ def check_output_dir(run: dict, checkpoint, args) -> None:
     held = [] if continuing_here else run_files_held(output_dir)
     if held:
         results = read_results(output_dir)
-        recorded = (results or {}).get("run") or read_run_record(output_dir) or {}
+        # the record of what is there: results.json's, else run.json, else best/'s (a run that kept only best/)
+        recorded = ((results or {}).get("run") or read_run_record(output_dir) or read_run_record(output_dir / BEST)
+                    or {})
         changed = differences(recorded, record if results else run)
         unfinished_restart = (checkpoint is None and args.resume_from_checkpoint == "latest" and not changed
                               and results is None and not (output_dir / "model.safetensors").exists())
