@@ -241,7 +241,10 @@ def one_training_at_a_time(output_dir, eval_only: bool):
     created = not output_dir.exists()
     create_output_dir(output_dir)
     path = output_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise UserError(f"cannot write into --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
     try:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
