@@ -109,8 +109,9 @@ def test_a_finished_run_is_left_as_it_is_by_its_own_command_and_refused_to_anoth
     launch([*plain_run, "--metric_for_best", "eval_accuracy"])
     finished = snapshot(plain)
     proc = launch([*plain_run, "--learning_rate", "1e-3"], check=False)
-    assert_clean_user_error(proc, f"--output_dir {plain} already holds a finished run's files (best, model.safetensors, "
-                            "results.json) of other flags: learning_rate 0.003 -> 0.001", "--overwrite_output_dir")
+    assert_clean_user_error(proc, f"--output_dir {plain} already holds a finished run's files (best, "
+                            "model.safetensors, results.json) of other flags: learning_rate 0.003 -> 0.001",
+                            "--overwrite_output_dir")
     assert snapshot(plain) == finished
     # --eval_only evaluates checkpoints: for a finished run's weights it names predict.py
     with pytest.raises(UserError, match=rf"no complete checkpoint in {plain}; its model.safetensors .* is evaluated by "

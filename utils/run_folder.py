@@ -49,7 +49,8 @@ def command_record(run: dict, epochs, max_steps, early_stopping_patience) -> dic
 
 def differences(recorded: dict, expected: dict) -> list:
     """`key old -> new` for each key of `expected` whose recorded value differs."""
-    return [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in expected.items() if recorded.get(key) != value]
+    return [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in expected.items()
+            if recorded.get(key) != value]
 
 
 def read_results(output_dir) -> dict | None:
@@ -244,7 +245,8 @@ def one_training_at_a_time(output_dir, eval_only: bool):
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as err:
-        raise UserError(f"cannot write into --output_dir {output_dir} ({err.strerror}); choose a writable folder") from None
+        raise UserError(f"cannot write into --output_dir {output_dir} ({err.strerror}); choose a writable "
+                        f"folder") from None
     try:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
