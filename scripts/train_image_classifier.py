@@ -41,15 +41,12 @@ from utils.checkpoints import (  # noqa: E402
     TrainingProgress,
     accumulation_keeping,
     batches_to_skip,
-    check_output_dir,
     epochs_to_train,
     gather_running_loss,
     load_checkpoint,
-    nothing_left_to_train,
     read_training_state,
     resolve_checkpoint,
     save_checkpoint,
-    start_output_dir,
     step_checkpoint_due,
 )
 from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
@@ -92,7 +89,19 @@ from utils.optim import (  # noqa: E402
 from utils.profiling import StepProfiler  # noqa: E402
 from utils.reproducibility import make_deterministic  # noqa: E402
 from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
-from utils.signals import StopSignal, ignore_stop_signals, stop_requested  # noqa: E402
+from utils.run_folder import (  # noqa: E402
+    check_output_dir,
+    nothing_left_to_train,
+    one_training_at_a_time,
+    start_output_dir,
+)
+from utils.signals import (  # noqa: E402
+    StopSignal,
+    exit_interrupted,
+    ignore_stop_signals,
+    stop_requested,
+    stop_with_the_launcher,
+)
 from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
 from utils.streaming import (  # noqa: E402
     StreamedImages,
@@ -406,7 +415,8 @@ def main(args):
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
-    if resuming and nothing_left_to_train(progress, checkpoint, args):  # says so, and leaves the trained files be
+    # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
+    if nothing_left_to_train(run, progress, checkpoint, args):
         accelerator.end_training()  # [accelerate]
         return 0
     if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
@@ -556,10 +566,15 @@ def main(args):
 
 
 if __name__ == "__main__":
+    args = None
     try:
         args = parse_args()
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
-        with collective_timeouts_named(args):  # --ddp_timeout outside the training loop: one line too
+        stop_with_the_launcher()  # a SIGTERM to a one-process `accelerate launch` stops the training too
+        # one training at a time in --output_dir (a lock); --ddp_timeout outside the training loop: one line too
+        with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args):
             sys.exit(main(args))
     except UserError as err:
         exit_with_error(err)
+    except KeyboardInterrupt:  # Ctrl-C without --save_on_signal: one line saying what was saved, not a traceback
+        exit_interrupted(args.output_dir if args else None)

@@ -70,11 +70,12 @@ def launch(script_args, num_processes: int = 1, config_file=None, script=TRAIN_M
     return run([*launcher_args(num_processes, config_file), script, "--cpu", *script_args], **kwargs)
 
 
-def launch_in_background(script_args, num_processes: int = 1, script=TRAIN_MNIST) -> subprocess.Popen:
-    """Like launch(), but returns at once; stdout and stderr together in .communicate()[0]."""
+def launch_in_background(script_args, num_processes: int = 1, script=TRAIN_MNIST, **popen) -> subprocess.Popen:
+    """Like launch(), but returns at once; stdout and stderr together in .communicate()[0]. `popen`: more of
+    Popen's arguments (start_new_session=True: a process group of its own, to signal as a terminal would)."""
     cmd = [*launcher_args(num_processes), script, "--cpu", *script_args]
     return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace")
+                            text=True, errors="replace", **popen)
 
 
 def wait_for_path(path, proc: subprocess.Popen, timeout: float = 120) -> None:

@@ -27,6 +27,8 @@ def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(syntheti
     optimizer = out / "step_4" / "optimizer.bin"
     with open(optimizer, "r+b") as f:
         f.truncate(1000)  # as a full disk or a copy cut short leaves it
+    for name in ("model.safetensors", "results.json"):  # a run killed after step_4: a finished one trains no more
+        (out / name).unlink()
 
     named = launch([*args, "--resume_from_checkpoint", out / "step_4"], check=False)
     assert_clean_user_error(named, "step_4 is damaged", "optimizer.bin has 1000 bytes", f"newest good one, {out / 'step_2'}")
@@ -160,7 +162,7 @@ def test_a_full_disk_ends_with_one_line_and_keeps_every_complete_checkpoint(synt
                             f"the last complete checkpoint is {out / 'step_2'}")
     output = proc.stdout + proc.stderr
     assert "basic_ios" not in output and "unexpected pos" not in output, output
-    assert sorted(p.name for p in out.iterdir()) == ["run.json", "step_1", "step_2"], "no .tmp-step_3 left"
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "run.lock", "step_1", "step_2"], "no .tmp-step_3 left"
     assert checkpoints.check_checkpoint(out / "step_2") is None
 
     bigger = tmp_path / "bigger"
@@ -178,4 +180,4 @@ def test_a_full_disk_stops_both_processes_with_the_same_line(synthetic_mnist, sm
                    "--checkpointing_steps", "1"], num_processes=2, check=False, timeout=180)
     assert_clean_user_error(proc, "is full", f"the last complete checkpoint is {out / 'step_2'}")
     assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 2  # one per process
-    assert sorted(p.name for p in out.iterdir()) == ["run.json", "step_1", "step_2"]
+    assert sorted(p.name for p in out.iterdir()) == ["run.json", "run.lock", "step_1", "step_2"]

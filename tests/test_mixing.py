@@ -13,11 +13,12 @@ import torch
 from helpers import REPO, launcher_args, load_script, results, run
 from image_data import make_split_image_folder
 
-from utils.checkpoints import TrainingProgress, check_output_dir, read_training_state
+from utils.checkpoints import TrainingProgress, read_training_state
 from utils.errors import UserError
 from utils.image_data import TransformedImages, load_image_datasets, train_transform
 from utils.mixing import MixedImages
 from utils.results import RunningLoss, accuracy_credit
+from utils.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 RECORDER = REPO / "tests" / "sample_recorder.py"

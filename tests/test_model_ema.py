@@ -26,12 +26,12 @@ from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
 
-from utils.checkpoints import check_output_dir
 from utils.data import load_mnist_idx, to_tensor_dataset
 from utils.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
 from utils.errors import UserError
 from utils.models import ConvNet
 from utils.predictions import EMA_WEIGHTS, read_trained_run
+from utils.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"

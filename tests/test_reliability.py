@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -9,12 +10,14 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 from helpers import (
     REPO,
     STOPPED_BY_SIGNAL,
     TRAIN_MNIST,
+    assert_clean_user_error,
     launch,
     launch_in_background,
     launcher_args,
@@ -121,17 +124,26 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
     assert resumed["global_step"] == 3 * 32 and resumed["samples_seen"] == 3 * 1024
 
 
-def test_sigterm_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(data, uninterrupted, tmp_path):
-    """What Slurm's preemption does through the batch scripts: SIGTERM to `accelerate launch`,
-    whose torchrun agent passes it on to every worker."""
+def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(data, uninterrupted, tmp_path):
+    """Ctrl-C in a terminal: SIGINT to every process of the job (the launcher, torchrun's agent, which passes it on
+    too, the workers). With --save_on_signal it stops as SIGTERM does (Slurm's preemption through the batch scripts:
+    torchrun's agent forwards a SIGTERM sent to the launcher, tests/test_image_classifier.py): every process finishes
+    the same step and saves it, no traceback through our code, and the resumed run is exact."""
     out = tmp_path / "out"
-    job = launch_in_background(["--data_dir", data, "--output_dir", out, *COMMON, "--save_on_signal"], num_processes=2)
-    wait_for_path(out / "step_10", job)
-    job.send_signal(signal.SIGTERM)
-    output, _ = job.communicate(timeout=120)
+    job = launch_in_background(["--data_dir", data, "--output_dir", out, *COMMON, "--save_on_signal"], num_processes=2,
+                               start_new_session=True)
+    try:
+        wait_for_path(out / "step_10", job)
+        os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
     assert job.returncode != 0, "a run stopped early must not look finished"
     stopped = STOPPED_BY_SIGNAL.search(output)
     assert stopped, output[-3000:]
+    assert f'File "{REPO}' not in output, output[-6000:]
     step, saved = int(stopped[1]), stopped[2]
     assert 10 < step < 3 * 32 and saved == str(out / f"step_{step}")  # the step at the signal, not step_10
     assert json.loads((out / f"step_{step}" / "training_state.json").read_text())["global_step"] == step
@@ -144,6 +156,65 @@ def test_sigterm_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(da
     assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
         assert resumed[key] == reference[key], key
+
+
+def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_says_what_ctrl_c_saved(data, tmp_path):
+    """One process, as `accelerate launch` runs it itself (no torchrun). A second training into a folder in use is
+    refused, naming the first; SIGKILL leaves no lock behind; SIGTERM to the launcher alone (which forwards no signal)
+    stops the training with a checkpoint; Ctrl-C without --save_on_signal says in one line where the last one is."""
+    out = tmp_path / "out"
+    args = ["--data_dir", data, "--output_dir", out, "--epochs", "100", "--batch_size", "16", "--checkpointing_steps",
+            "5", "--resume_from_checkpoint", "latest"]  # 100 epochs: it cannot finish before the signals land
+    jobs = []
+
+    def start(*more):
+        jobs.append(launch_in_background([*args, *more], start_new_session=True))
+        return jobs[-1]
+
+    def trainer(job) -> psutil.Process:
+        (child,) = psutil.Process(job.pid).children()  # the launcher runs the training as its one child
+        return child
+
+    def newest_step() -> int:
+        return max(int(path.name[len("step_"):]) for path in out.glob("step_*"))
+
+    try:
+        first = start()
+        wait_for_path(out / "step_5", first)
+        holder = trainer(first)
+        second = launch(args, check=False)
+        assert_clean_user_error(second, f"--output_dir {out} is in use by another training",
+                                f"pid {holder.pid} on {socket.gethostname()}")
+        assert "Resumed from" not in second.stdout + second.stderr and not (out / "results.json").exists()
+
+        holder.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+        first.communicate(timeout=60)
+        killed_at = newest_step()
+        third = start("--save_on_signal")
+        wait_for_path(out / f"step_{killed_at + 5}", third)
+        training = trainer(third)
+        third.send_signal(signal.SIGTERM)  # to the launcher alone: `kill PID`, a container's stop
+        output, _ = third.communicate(timeout=120)
+        stopped = STOPPED_BY_SIGNAL.search(output)
+        assert stopped and f"Resumed from {out / f'step_{killed_at}'}" in output, output[-3000:]
+        assert psutil.wait_procs([training], timeout=30)[1] == [], "the training outlived its launcher"
+        assert int(stopped[1]) > killed_at + 5 - 1 and not (out / "results.json").exists()
+
+        fourth = start()
+        wait_for_path(out / f"step_{(newest_step() // 5 + 1) * 5}", fourth)
+        os.killpg(fourth.pid, signal.SIGINT)  # Ctrl-C
+        output, _ = fourth.communicate(timeout=120)
+        assert fourth.returncode != 0 and f'File "{REPO}' not in output, output[-6000:]
+        said = re.findall(r"^Interrupted \(Ctrl-C\): no checkpoint saved at the interrupt \(--save_on_signal saves "
+                          r"one\); the last one is (\S+): continue from it with --resume_from_checkpoint latest$",
+                          output, flags=re.M)
+        assert said == [str(out / f"step_{newest_step()}")], output[-3000:]
+        assert not (out / "results.json").exists()
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+                job.wait()
 
 
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, tmp_path):

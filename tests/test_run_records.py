@@ -5,9 +5,15 @@ own eval_results.json about the checkpoint it evaluated, never the training run'
 
 import json
 import re
+import shutil
 
-from helpers import REPO, assert_clean_user_error, error_lines, launch, results, snapshot
+import pytest
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, results, snapshot
 from image_data import make_split_image_folder
+
+from utils.checkpoints import resolve_checkpoint
+from utils.errors import UserError
+from utils.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 TINY = ["--epochs", "1", "--max_train_samples", "64", "--max_eval_samples", "64", "--batch_size", "16"]
@@ -25,17 +31,21 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
 
     # 2 processes x 16: 2 optimizer steps, a checkpoint after each
     launch([*common, "--checkpointing_steps", "1"], num_processes=2)
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "results.json", "run.json", "step_1", "step_2"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model.safetensors", "results.json", "run.json", "run.lock", "step_1", "step_2"]
+    assert (out / "run.lock").read_bytes() == b""  # no training holds it
     record = read_json(out / "step_2" / "run.json")
-    assert record == read_json(out / "run.json")
+    assert record == read_json(out / "run.json") == results(out)["run"]
     assert record["script"] == "train_mnist.py" and record["data"] == str(synthetic_mnist.resolve())
     assert (record["epochs"], record["seed"], record["max_train_samples"], record["learning_rate"]) == (1, 42, 64, 3e-3)
     assert (record["num_processes"], record["batch_size_per_process"], record["global_batch_size"]) == (2, 16, 32)
     first_run = snapshot(out)
 
-    # a new run into it: one line naming the folder and both fixes, nothing written
-    proc = launch(common, check=False)
-    assert_clean_user_error(proc, str(out), "step_1, step_2", "--overwrite_output_dir", "--resume_from_checkpoint latest")
+    # another run into it: one line naming the folder, what it holds, how the runs differ and the fixes; nothing written
+    proc = launch([*common, "--seed", "7"], check=False)
+    assert_clean_user_error(proc, f"--output_dir {out} already holds a finished run's files (step_1, step_2, "
+                            "model.safetensors, results.json) of other flags: seed 42 -> 7",
+                            "--overwrite_output_dir", "another --output_dir")
     assert snapshot(out) == first_run
 
     # a resume of it that changes what cannot change: the differences named, nothing written
@@ -46,7 +56,8 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
 
     # --overwrite_output_dir: the old run's checkpoints are gone, so 'latest' can only find the new run's
     launch([*common, "--overwrite_output_dir", "--checkpointing_steps", "epoch", "--seed", "7"])
-    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "model.safetensors", "results.json", "run.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "model.safetensors", "results.json", "run.json",
+                                                     "run.lock"]
     assert read_json(out / "epoch_0" / "run.json")["seed"] == 7 and read_json(out / "run.json")["num_processes"] == 1
     trained = results(out)
     assert trained["seed"] == 7 and trained["global_step"] == 4  # 64 samples / 16 on one process
@@ -74,6 +85,52 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
     printed = re.findall(r"Evaluated (\S+) \(after 1 epochs, step 4\): eval_accuracy ([\d.]+), eval_loss ([\d.]+) "
                          r"on 64 samples", proc.stdout)
     assert printed == [(str(out / "epoch_0"), f"{evaluated['eval_accuracy']:.4f}", f"{evaluated['eval_loss']:.4f}")]
+
+
+def test_a_finished_run_is_left_as_it_is_by_its_own_command_and_refused_to_another(synthetic_mnist, tmp_path):
+    """Issue 29: a restart of a finished run trains nothing, by its record, whatever its last checkpoint: here step_3
+    of 4 steps (--checkpointing_steps 3), with or without --resume_from_checkpoint latest (what a restart loop, a
+    requeue or scripts/sweep.py run again). A finished run without checkpoints is refused to another run, also where
+    it left only best/; --overwrite_output_dir deletes all of it, best/ included."""
+    out = tmp_path / "out"
+    common = ["--data_dir", synthetic_mnist, "--output_dir", out, *TINY]  # 1 process: 4 optimizer steps of 16
+    launch([*common, "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"])
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "results.json", "run.json", "run.lock",
+                                                     "step_3"]
+    finished = snapshot(out)
+    for again in (["--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"], []):
+        proc = launch([*common, *again])
+        said = re.findall(r"Nothing left to train: (\S+) reports this run finished after step (\d+);", proc.stderr)
+        assert said == [(str(out / "results.json"), "4")], proc.stderr[-3000:]
+        assert "Resumed from" not in proc.stderr and snapshot(out) == finished
+
+    plain = tmp_path / "plain"  # no checkpoints; best/ by --metric_for_best
+    plain_run = ["--data_dir", synthetic_mnist, "--output_dir", plain, *TINY]
+    launch([*plain_run, "--metric_for_best", "eval_accuracy"])
+    finished = snapshot(plain)
+    proc = launch([*plain_run, "--learning_rate", "1e-3"], check=False)
+    assert_clean_user_error(proc, f"--output_dir {plain} already holds a finished run's files (best, "
+                            "model.safetensors, results.json) of other flags: learning_rate 0.003 -> 0.001",
+                            "--overwrite_output_dir")
+    assert snapshot(plain) == finished
+    # --eval_only evaluates checkpoints: for a finished run's weights it names predict.py
+    with pytest.raises(UserError, match=rf"no complete checkpoint in {plain}; its model.safetensors .* is evaluated by "
+                                        rf"scripts/predict.py --model_dir {plain}"):
+        resolve_checkpoint("latest", plain, eval_only=True)
+
+    # only another run's best/ left (its files deleted by hand): a new run, even with 'latest', is refused
+    only_best = tmp_path / "only_best"
+    shutil.copytree(plain / "best", only_best / "best")
+    mnist = load_script(TRAIN_MNIST)
+    args = mnist.parse_args(["--data_dir", str(synthetic_mnist), "--output_dir", str(only_best), *map(str, TINY),
+                             "--seed", "7", "--resume_from_checkpoint", "latest"])
+    with pytest.raises(UserError, match=r"already holds another run's files \(best\) of other flags: seed 42 -> 7"):
+        check_output_dir(mnist.describe_run(args), None, args)
+
+    # --overwrite_output_dir: nothing of the old run is left, best/ included
+    launch([*plain_run, "--learning_rate", "1e-3", "--overwrite_output_dir"])
+    assert sorted(p.name for p in plain.iterdir()) == ["model.safetensors", "results.json", "run.json", "run.lock"]
+    assert results(plain)["run"]["learning_rate"] == 1e-3
 
 
 def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
@@ -106,6 +163,14 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
     assert evaluated["eval_top5_accuracy"] == 1.0  # 4 classes: top-5 holds them all
     assert evaluated["eval_accuracy"] == results(out)["eval_accuracy"]  # the same weights, the same 64 images
     assert f"eval_accuracy {evaluated['eval_accuracy']:.4f}" in proc.stdout
+
+    # its own command again, where no checkpoint is left: nothing trained, nothing written (by its record)
+    shutil.rmtree(out / "epoch_0")
+    (out / "eval_results.json").unlink()
+    finished = snapshot(out)
+    proc = launch([*common, "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest"], script=CLASSIFIER)
+    assert f"Nothing left to train: {out / 'results.json'} reports this run finished after step 4" in proc.stderr
+    assert snapshot(out) == finished
 
 
 def test_overwrite_output_dir_and_resume_are_one_line_together(capsys):

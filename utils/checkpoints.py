@@ -6,7 +6,7 @@ that is renamed into place. An interrupted save leaves only
 a `.tmp-*` folder, which `find_latest_checkpoint` never returns.
 
 Each checkpoint also carries `run.json`, what defines the run that saved it (model, data, seed,
-schedule, batch geometry), so that one --output_dir never mixes two runs: see check_output_dir.
+schedule, batch geometry), so that one --output_dir never mixes two runs: see utils/run_folder.py.
 
 And `manifest.json`, the size and sha256 of every other file as saved: a resume checks them ('latest'
 skips a damaged checkpoint, a named one is refused), and --checkpoints_total_limit keeps the newest
@@ -30,25 +30,15 @@ from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file
 
-from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
-from utils.results import (
-    EVAL_RESULTS,
-    RESUMABLE_KEYS,
-    RUN_RECORD,
-    create_output_dir,
-    read_run_record,
-    write_json_atomically,
-)
+from utils.results import RUN_RECORD, write_json_atomically
 
 TRAINING_STATE = "training_state.json"
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
 BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model.safetensors and training state
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
-# What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
-RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, "results.json", EVAL_RESULTS)
 logger = get_logger(__name__)
 
 
@@ -502,7 +492,11 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     if resume_from_checkpoint == "latest":
         checkpoint = newest_good_checkpoint(output_dir, say_skipped=True)
         if checkpoint is None and eval_only:
-            raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; pass a checkpoint folder")
+            weights = Path(output_dir) / "model.safetensors"
+            fix = (f"its {weights.name} (the finished run's weights) is evaluated by scripts/predict.py --model_dir "
+                   f"{output_dir}, which prints the accuracy on the run's evaluation data" if weights.is_file()
+                   else "pass a checkpoint folder")
+            raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; {fix}")
         warn_if_unverifiable(checkpoint)
         return checkpoint
     checkpoint = Path(resume_from_checkpoint)
@@ -551,114 +545,6 @@ def warn_if_unverifiable(checkpoint) -> None:
     if checkpoint is not None and not (Path(checkpoint) / MANIFEST).is_file():
         main_process_warning(f"{checkpoint} has no {MANIFEST} (saved by an older version): its files cannot be "
                              f"checked; loading it as it is")
-
-
-def check_output_dir(run: dict, checkpoint, args) -> None:
-    """Before anything is written (every process reads the same files and decides the same): one --output_dir
-    never mixes two runs. A run that does not continue its own checkpoints refuses a folder holding checkpoints
-    (unless --overwrite_output_dir, which start_output_dir then acts on); a resume refuses a checkpoint whose
-    run.json differs from `run` (what cannot change: the caller's describe_run()). --eval_only writes only
-    eval_results.json and is not checked."""
-    if args.eval_only:
-        return
-    output_dir = Path(args.output_dir)
-    continuing_here = checkpoint is not None and Path(checkpoint).resolve().parent == output_dir.resolve()
-    # 'latest' that found nothing is a first start (or a restart before the first checkpoint): nothing to mix
-    fresh_start = checkpoint is None and args.resume_from_checkpoint == "latest"
-    if not (continuing_here or fresh_start or args.overwrite_output_dir):
-        held = [folder.name for folder in [*list_checkpoints(output_dir), output_dir / BEST]
-                if (folder / TRAINING_STATE).is_file()]
-        if held:
-            fix = ("continue that run with --resume_from_checkpoint latest, or pass --overwrite_output_dir to delete "
-                   "them and start afresh" if checkpoint is None else f"continue {checkpoint} in another --output_dir")
-            raise UserError(f"--output_dir {output_dir} already holds another run's checkpoints "
-                            f"({', '.join(held)}); {fix}")
-    if checkpoint is None:
-        return
-    recorded = read_run_record(checkpoint)
-    if recorded is None:  # logging's own stderr handler: the Accelerator, and so its logger, does not exist yet
-        logging.getLogger(__name__).warning(
-            f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is of this run")
-        return
-    # also the keys only the checkpoint's run has (a resume that drops --model_ema), bar those a resume may change
-    keys = [*run, *(key for key in recorded if key not in run and key not in RESUMABLE_KEYS)]
-    differences = [f"{key} {recorded.get(key)!r} -> {run.get(key)!r}" for key in keys
-                   if recorded.get(key) != run.get(key)]
-    if differences:
-        raise UserError(f"{checkpoint} was saved by a different run ({'; '.join(differences)}); resume with its "
-                        f"values, or start a new run in another --output_dir")
-
-
-def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
-    """Main process, once data, model and checkpoint are known good: creates --output_dir. --overwrite_output_dir
-    first deletes what an earlier run left there (checkpoints, best/, .tmp-* folders, RUN_FILES), so that
-    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what may
-    change on a resume (the process count, the batch split, and --epochs and --max_steps where `run` leaves them out,
-    as train_image_classifier.py's does), which its checkpoints copy."""
-    output_dir = Path(args.output_dir)
-    if args.overwrite_output_dir and output_dir.is_dir():
-        deleted = []
-        for path in sorted(output_dir.iterdir()):
-            if CHECKPOINT_NAME.match(path.name) or path.name == BEST or path.name.startswith(TMP_PREFIX):
-                shutil.rmtree(path)
-            elif path.name in RUN_FILES:
-                path.unlink()
-            else:
-                continue
-            deleted.append(path.name)
-        if deleted:
-            logger.info(f"--overwrite_output_dir: deleted {', '.join(deleted)} in {output_dir}", main_process_only=True)
-    create_output_dir(output_dir)
-    if not args.eval_only:
-        write_json_atomically(output_dir / RUN_RECORD, {
-            **run,
-            "epochs": args.epochs,
-            "max_steps": args.max_steps,
-            "num_processes": progress.num_processes,
-            "batch_size_per_process": args.batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "global_batch_size": progress.global_batch_size,
-        })
-
-
-def nothing_left_to_train(progress: TrainingProgress, checkpoint, args) -> bool:
-    """A resume from a checkpoint at or past the run's end (a finished run started again by a restart loop or a
-    requeue; with train_image_classifier.py also a lower --epochs or --max_steps): --epochs epochs ended, or
-    --max_steps optimizer steps done, or --early_stopping_patience spent. Says so in one line (main process). The
-    caller then ends with status 0 and writes nothing, so model.safetensors and results.json stay those of the run that
-    trained them. A checkpoint saved after the last step but before the end of its epoch (--checkpointing_steps N, a
-    signal) still has that end to do, the final evaluation and the report, unless results.json says it was done."""
-    ended = progress.samples_in_epoch == 0 or reported_after(args.output_dir, progress.global_step)
-    if args.max_steps is None and progress.epoch >= args.epochs:
-        done = f"has {progress.epoch} epochs done (step {progress.global_step}) and --epochs is {args.epochs}"
-        flag = "--epochs"
-    elif args.max_steps is not None and (progress.global_step > args.max_steps or
-                                         progress.global_step == args.max_steps and ended):
-        done = f"has {progress.global_step} optimizer steps done and --max_steps is {args.max_steps}"
-        flag = "--max_steps"
-    elif ended and args.early_stopping_patience is not None and \
-            progress.evaluations_without_improvement >= args.early_stopping_patience:
-        return say_nothing_left(f"{checkpoint} stopped early: {args.metric_for_best} has not improved for "
-                                f"{progress.evaluations_without_improvement} evaluations (--early_stopping_patience "
-                                f"{args.early_stopping_patience})", "a higher --early_stopping_patience")
-    else:
-        return False
-    return say_nothing_left(f"{checkpoint} {done}", f"train_image_classifier.py takes a higher {flag}; "
-                            f"train_mnist.py's run includes its {flag}, so start a new run in another --output_dir")
-
-
-def reported_after(output_dir, step: int) -> bool:
-    """OUTPUT_DIR/results.json is that of a run that ended after optimizer step `step`."""
-    try:
-        return json.loads((Path(output_dir) / "results.json").read_text()).get("global_step") == step
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def say_nothing_left(why: str, to_train_further: str) -> bool:
-    logger.info(f"Nothing left to train: {why}; model.safetensors and results.json left as they are (to train "
-                f"further: {to_train_further})", main_process_only=True)
-    return True
 
 
 def accumulation_keeping(progress: TrainingProgress, num_processes: int, args, batch_size=None) -> int:

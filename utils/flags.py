@@ -147,7 +147,7 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
                      help="checkpoints, model.safetensors, run.json, results.json, logs; one run per folder")
     out.add_argument(
         "--overwrite_output_dir", action="store_true",
-        help="start afresh in an --output_dir that holds another run's checkpoints (without it the run stops): first "
+        help="start afresh in an --output_dir that holds another run (without it the run stops): first "
              "delete its checkpoint folders, best/, model.safetensors, model_ema.safetensors, run.json, results.json "
              "and eval_results.json (other files stay), so 'latest' can never pick them up",
     )
@@ -163,7 +163,8 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     )
     out.add_argument(
         "--save_on_signal", action="store_true",
-        help="on SIGTERM/SIGUSR1 (Slurm preemption), finish the step, save step_N and exit with 128+signal",
+        help="on SIGTERM/SIGUSR1 (Slurm preemption) or SIGINT (Ctrl-C), finish the step, save step_N and exit with "
+             "128+signal",
     )
     out.add_argument("--eval_only", action="store_true",
                      help="evaluate --resume_from_checkpoint (a checkpoint, or 'best'), print the metrics and write "

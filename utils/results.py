@@ -17,10 +17,10 @@ from utils.errors import UserError
 
 RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/checkpoints.py)
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
-# run.json keys a resume may change (utils/checkpoints.py start_output_dir records them beside the run's own; epochs,
-# max_steps: train_image_classifier.py only)
-RESUMABLE_KEYS = {"epochs", "max_steps", "num_processes", "batch_size_per_process", "gradient_accumulation_steps",
-                  "global_batch_size"}
+# run.json keys a resume may change (utils/run_folder.py start_output_dir records them beside the run's own; epochs,
+# max_steps: train_image_classifier.py only); best/ keeps those of its time
+RESUMABLE_KEYS = {"epochs", "max_steps", "early_stopping_patience", "num_processes", "batch_size_per_process",
+                  "gradient_accumulation_steps", "global_batch_size"}
 
 
 class ThroughputMeter:
@@ -216,6 +216,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "learning_rate": args.learning_rate,
             "seed": args.seed,
             "resumed_from": str(checkpoint) if checkpoint is not None else None,
+            # the run.json of this run: a restart of the same command finds it finished (utils/run_folder.py)
+            "run": read_run_record(args.output_dir),
             "max_grad_norm": args.max_grad_norm,
             "parameter_fingerprints": [row[0] for row in replicas],
             "buffer_fingerprints": [row[1] for row in replicas],

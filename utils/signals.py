@@ -1,14 +1,24 @@
-"""--save_on_signal: remember SIGTERM/SIGUSR1 instead of dying of it, so that the training
-loop can finish its step, save a checkpoint and stop (Slurm preemption, time limits).
+"""--save_on_signal: remember SIGTERM/SIGUSR1/SIGINT instead of dying of it, so that the training
+loop can finish its step, save a checkpoint and stop (Slurm preemption, time limits, Ctrl-C).
 
-torchrun's agent (inside `accelerate launch`) forwards a SIGTERM it receives to every
-worker's process group and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later
-(default 30); the batch scripts in scripts/slurm/ rely on that.
+torchrun's agent (inside `accelerate launch` with several processes) forwards a SIGTERM it receives
+to every worker's process group and kills them TORCH_ELASTIC_SHUTDOWN_TIMEOUT seconds later
+(default 30); the batch scripts in scripts/slurm/ rely on that. Accelerate's one-process launcher
+forwards nothing: stop_with_the_launcher makes its death reach the training. A terminal's Ctrl-C
+reaches every process of the job itself; without --save_on_signal, exit_interrupted says in one line
+what was saved instead of a traceback per process.
 """
 
+import ctypes
+import os
 import signal
+import sys
+from pathlib import Path
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from utils.checkpoints import newest_good_checkpoint
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class StopSignal:
@@ -45,3 +55,46 @@ def stop_requested(accelerator, stop_signal: StopSignal) -> bool:
     if stop_signal.received:
         accelerator.set_trigger()
     return accelerator.check_trigger()
+
+
+def stop_with_the_launcher() -> None:
+    """Under `accelerate launch` with one process: this process gets SIGTERM when the launcher dies. Its simple
+    launcher (accelerate/commands/launch.py simple_launcher) waits on this process and forwards no signal, so a
+    SIGTERM to the launcher alone (`kill PID`, a container's stop, a scheduler) ended the launcher with status 143
+    and left the training running, and writing. torchrun, which runs several processes, forwards signals itself.
+    prctl(PR_SET_PDEATHSIG) through ctypes (Linux only; elsewhere nothing changes): Python's standard library has
+    no call for it, and one call is not worth a dependency."""
+    if "TORCHELASTIC_RUN_ID" in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    try:
+        command = Path(f"/proc/{launcher}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return
+    if not is_accelerate_launch(command):
+        return  # a shell, nohup, srun, a test: their death must not end the training
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and \
+            os.getppid() != launcher:  # it died before the prctl: as if after
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def is_accelerate_launch(command: list) -> bool:
+    """`accelerate launch ...` or `python -m accelerate.commands.launch ...` (a process's argv, as bytes)."""
+    names = [Path(arg.decode(errors="replace")).name for arg in command[:4]]
+    return "accelerate.commands.launch" in names or any(
+        name == "accelerate" and following == "launch" for name, following in zip(names, names[1:]))
+
+
+def exit_interrupted(output_dir) -> None:
+    """Ctrl-C without --save_on_signal (KeyboardInterrupt on every process): one line from the main process instead
+    of a traceback per process, saying that nothing was saved at the interrupt and where the last checkpoint is;
+    exit status 130 (128 + SIGINT), as the shell's for an interrupted command."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C, or the launcher's, while this is said
+    if os.environ.get("RANK", "0") == "0" and output_dir is not None:
+        last = newest_good_checkpoint(output_dir)
+        where = (f"the last one is {last}: continue from it with --resume_from_checkpoint latest" if last else
+                 f"there is none in {output_dir}")
+        sys.stderr.write(f"\nInterrupted (Ctrl-C): no checkpoint saved at the interrupt (--save_on_signal saves one); "
+                         f"{where}\n")
+        sys.stderr.flush()
+    sys.exit(128 + signal.SIGINT)
