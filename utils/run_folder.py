@@ -55,9 +55,11 @@ def command_record(run: dict, epochs, max_steps, early_stopping_patience) -> dic
 
 
 def differences(recorded: dict, expected: dict) -> list:
-    """`key old -> new` for each key of `expected` whose recorded value differs."""
-    return [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in expected.items()
-            if recorded.get(key) != value]
+    """`key old -> new` for each key of `expected` whose recorded value differs, and for each key only `recorded`
+    has (a run with --model_ema against one without), bar those a resume may change."""
+    keys = [*expected, *(key for key in recorded if key not in expected and key not in RESUMABLE_KEYS)]
+    return [f"{key} {recorded.get(key)!r} -> {expected.get(key)!r}" for key in keys
+            if recorded.get(key) != expected.get(key)]
 
 
 def read_results(output_dir) -> dict | None:
@@ -122,9 +124,7 @@ def check_output_dir(run: dict, checkpoint, args) -> None:
         logging.getLogger(__name__).warning(
             f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is of this run")
         return
-    # also the keys only the checkpoint's run has (a resume that drops --model_ema), bar those a resume may change
-    expected = {**run, **{key: None for key in recorded if key not in run and key not in RESUMABLE_KEYS}}
-    changed = differences(recorded, expected)
+    changed = differences(recorded, run)
     if changed:
         raise UserError(f"{checkpoint} was saved by a different run ({'; '.join(changed)}); resume with its "
                         f"values, or start a new run in another --output_dir")
