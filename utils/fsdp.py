@@ -1,0 +1,49 @@
+"""FSDP2 on CPU processes (a gloo group), through the same Accelerator calls as on GPUs.
+
+PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) and its distributed checkpoints (DCP) run on CPU
+tensors over gloo; Accelerate 1.15 just never chooses them there. `AcceleratorState.__init__`
+(accelerate/state.py, the branch `elif self.distributed_type in [DistributedType.MULTI_GPU, ...MULTI_NEURON]`)
+switches to `DistributedType.FSDP` and keeps the FSDP plugin only for GPU-like process groups; a CPU group
+(`MULTI_CPU`: `Accelerator(cpu=True)` under torchrun) keeps DDP and drops the plugin, and no setting
+changes that. `shard_on_cpu` makes, once the Accelerator is built, the three assignments that branch would
+have made. Everything after it is Accelerate's own FSDP2 code, unchanged: `prepare` calls `fully_shard`,
+`save_state`/`load_state` write and read DCP shards, `get_state_dict` and `save_model` gather the whole
+weights. Hand-written because Accelerate has no switch for it; it fails with one line, never silently,
+when the Accelerate it was written against changes.
+"""
+
+from utils.errors import UserError
+from utils.launch_checks import fsdp_launch
+
+# The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
+ADAPTED_ACCELERATE = "1.15."
+
+
+def shard_on_cpu(accelerator) -> None:
+    """Under an FSDP launch on CPU processes (the scripts' --cpu), turn the Accelerator's DDP setup into FSDP2, as
+    it would be on GPUs. Does nothing on GPUs, without an FSDP launch, or where Accelerate chose FSDP itself."""
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    if not fsdp_launch() or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if not accelerate.__version__.startswith(ADAPTED_ACCELERATE) or "distributed_type" not in PartialState._shared_state:
+        raise UserError(
+            f"FSDP on CPU processes goes through utils/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
+            f"this is accelerate {accelerate.__version__}; install the tested one (pip install -c constraints.txt "
+            f"accelerate), or launch FSDP on GPUs")
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* settings, as the Accelerator built its own
+    if plugin.fsdp_version != 2:
+        raise UserError(f"FSDP on CPU processes needs FSDP2 (fully_shard); this launch asks for fsdp_version "
+                        f"{plugin.fsdp_version}: set fsdp_version: 2 (accelerate_configs/fsdp_cpu.yaml)")
+    if plugin.cpu_ram_efficient_loading:
+        # accelerate 1.15's fsdp2_load_full_state_dict treats every state_dict entry as a sharded parameter and
+        # fails on buffers, which BatchNorm has (on GPUs too)
+        raise UserError("fsdp_cpu_ram_efficient_loading fails for models with buffers (BatchNorm's statistics) in "
+                        "accelerate 1.15: set fsdp_cpu_ram_efficient_loading: false")
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)  # FSDP2's MixedPrecisionPolicy, as on GPUs
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
