@@ -47,3 +47,44 @@ def shard_on_cpu(accelerator) -> None:
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def replicate_buffers(accelerator, model) -> None:
+    """Under FSDP, give the prepared `model`'s buffers (BatchNorm's running statistics) DDP's meaning: rank 0's.
+
+    FSDP shards parameters only; each process updates its own copy of the buffers from its own batches, so they
+    drift apart. DDP broadcasts rank 0's before each forward, so that every process evaluates the same model, the
+    one whose buffers model.safetensors holds. Here every process takes rank 0's buffers before its first
+    evaluation forward after training, and before each state_dict() (save_state's DCP shards would otherwise store
+    each buffer from whichever process DCP's planner picks, and a resume would differ from the uninterrupted run).
+    Both are collective: every process evaluates the same batches (gather_for_metrics' even batches) and saves
+    together. Nothing without FSDP."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    in_sync = {"buffers": False}
+
+    def broadcast_from_rank_0():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+        in_sync["buffers"] = True
+
+    def before_forward(module, args):
+        if module.training:
+            in_sync["buffers"] = False
+        elif not in_sync["buffers"]:
+            broadcast_from_rank_0()
+
+    model.register_forward_pre_hook(before_forward)
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
+
+
+def parameter_bytes(model) -> tuple:
+    """(bytes of the parameters this process holds, bytes of the whole model's): under FSDP a process holds its
+    shard of each parameter (a DTensor's local tensor), about 1/N of the model; under DDP the whole model."""
+    from torch.distributed.tensor import DTensor
+
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    return local, sum(p.numel() * p.element_size() for p in model.parameters())
