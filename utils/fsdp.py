@@ -49,16 +49,22 @@ def shard_on_cpu(accelerator) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
-def replicate_buffers(accelerator, model) -> None:
-    """Under FSDP, give the prepared `model`'s buffers (BatchNorm's running statistics) DDP's meaning: rank 0's.
+def complete_fsdp_model(accelerator, model) -> None:
+    """What a prepared FSDP `model` needs beyond Accelerate, on GPUs as on CPUs (nothing without FSDP):
 
-    FSDP shards parameters only; each process updates its own copy of the buffers from its own batches, so they
-    drift apart. DDP broadcasts rank 0's before each forward, so that every process evaluates the same model, the
-    one whose buffers model.safetensors holds. Here every process takes rank 0's buffers before its first
-    evaluation forward after training, and before each state_dict() (save_state's DCP shards would otherwise store
-    each buffer from whichever process DCP's planner picks, and a resume would differ from the uninterrupted run).
-    Both are collective: every process evaluates the same batches (gather_for_metrics' even batches) and saves
-    together. Nothing without FSDP."""
+    - its buffers (BatchNorm's running statistics) mean what they mean under DDP: rank 0's. FSDP shards parameters
+      only, and each process updates its own copy of the buffers from its own batches; DDP broadcasts rank 0's
+      before each forward, so every process evaluates the same model, the one model.safetensors holds. Here every
+      process takes rank 0's buffers before its first evaluation forward after training, and before each
+      state_dict() (else save_state's DCP files keep each buffer from whichever process DCP's planner picks, and a
+      resume would differ from the uninterrupted run). Collective, as evaluating and saving are.
+    - its process groups end with the run: torch's DTensor caches (sharding propagation, redistribution plans, mesh
+      topology) keep the device mesh, and with it the gloo group, alive after end_training, and a gloo worker
+      thread alive at exit can abort it (docs/migration_guide.md, "Ending a run cleanly"). At exit the mesh lets go
+      of its groups, which are then freed.
+    """
+    import atexit
+
     import torch
     from accelerate.utils import DistributedType
 
@@ -79,6 +85,20 @@ def replicate_buffers(accelerator, model) -> None:
 
     model.register_forward_pre_hook(before_forward)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
+    meshes = {parameter.device_mesh for parameter in model.parameters()}  # each DTensor parameter's
+    if not all(hasattr(mesh, "_pg_registry") for mesh in meshes):
+        raise RuntimeError(f"utils/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
+    atexit.register(_release_process_groups, meshes)  # runs before the interpreter tears down the threads
+
+
+def _release_process_groups(meshes) -> None:
+    """Drop the process groups each DeviceMesh holds (torch's DTensor caches keep the meshes alive past
+    end_training), so that they are freed and their worker threads joined now."""
+    import gc
+
+    for mesh in meshes:
+        mesh._pg_registry.clear()
+    gc.collect()
 
 
 def parameter_bytes(model) -> tuple:
