@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,51 @@ def test_image_classifier_fsdp_bf16_on_3_resumes_on_2_and_predicts(tmp_path):
     launch(["--model_dir", tmp_path / "on2", "--data_dir", data, "--output_file", predictions, "--num_workers", "0"],
            script=PREDICT)
     assert len(predictions.read_text().splitlines()) == 1 + 20
+
+
+# ---------------------------------------------------------------- refusals, in this process (no launch)
+
+def cpu_group(dynamo_backend="NO"):
+    """What utils/fsdp.shard_on_cpu reads of an Accelerator that Accelerate 1.15 set up for a CPU group (DDP)."""
+    from accelerate.utils import DistributedType, DynamoBackend
+
+    state = SimpleNamespace(dynamo_plugin=SimpleNamespace(backend=DynamoBackend(dynamo_backend)),
+                            distributed_type=DistributedType.MULTI_CPU)
+    return SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, state=state, mixed_precision="no")
+
+
+@pytest.mark.parametrize("env, accelerator_version, dynamo_backend, expected", [
+    ({"FSDP_VERSION": "1"}, None, "NO", "needs FSDP2"),
+    ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, None, "NO", "fsdp_cpu_ram_efficient_loading"),
+    ({}, "1.16.0", "NO", "written for accelerate 1.15"),  # the adapter stops where it was not checked
+    ({}, None, "INDUCTOR", "--compile"),
+])
+def test_fsdp_on_cpu_refuses_what_it_cannot_shard_in_one_line(monkeypatch, env, accelerator_version, dynamo_backend,
+                                                              expected):
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from utils.errors import UserError
+    from utils.fsdp import shard_on_cpu
+
+    monkeypatch.setitem(PartialState._shared_state, "distributed_type", DistributedType.MULTI_CPU)
+
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    if accelerator_version:
+        monkeypatch.setattr(accelerate, "__version__", accelerator_version)
+    accelerator = cpu_group(dynamo_backend)
+    with pytest.raises(UserError, match=re.escape(expected)):
+        shard_on_cpu(accelerator)
+    assert accelerator.state.distributed_type.value == "MULTI_CPU"  # left as it was
+
+
+def test_auto_find_batch_size_is_refused_under_fsdp():
+    from accelerate.utils import DistributedType
+
+    from utils.batch_size import fit_batch_size
+    from utils.errors import UserError
+
+    with pytest.raises(UserError, match="--auto_find_batch_size .* under FSDP"):
+        fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None)

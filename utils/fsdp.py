@@ -24,7 +24,7 @@ def shard_on_cpu(accelerator) -> None:
     it would be on GPUs. Does nothing on GPUs, without an FSDP launch, or where Accelerate chose FSDP itself."""
     import accelerate
     from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
 
     if not fsdp_launch() or accelerator.distributed_type != DistributedType.MULTI_CPU:
         return
@@ -33,6 +33,9 @@ def shard_on_cpu(accelerator) -> None:
             f"FSDP on CPU processes goes through utils/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
             f"this is accelerate {accelerate.__version__}; install the tested one (pip install -c constraints.txt "
             f"accelerate), or launch FSDP on GPUs")
+    if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        raise UserError("--compile (a dynamo backend) with FSDP on CPU processes has not been tested here; train "
+                        "without --compile, or with FSDP on GPUs")
     plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* settings, as the Accelerator built its own
     if plugin.fsdp_version != 2:
         raise UserError(f"FSDP on CPU processes needs FSDP2 (fully_shard); this launch asks for fsdp_version "
