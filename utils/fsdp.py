@@ -28,7 +28,8 @@ def shard_on_cpu(accelerator) -> None:
 
     if not fsdp_launch() or accelerator.distributed_type != DistributedType.MULTI_CPU:
         return
-    if not accelerate.__version__.startswith(ADAPTED_ACCELERATE) or "distributed_type" not in PartialState._shared_state:
+    adapted = accelerate.__version__.startswith(ADAPTED_ACCELERATE) and "distributed_type" in PartialState._shared_state
+    if not adapted:
         raise UserError(
             f"FSDP on CPU processes goes through utils/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
             f"this is accelerate {accelerate.__version__}; install the tested one (pip install -c constraints.txt "

@@ -189,7 +189,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
         results["train_samples_per_second"], results["train_samples_per_second_over"] = None, "no_batches"
     results["train_time_s"] = slowest_in_all
     results["peak_memory_mb"] = per_process[:, 3].max().item()
-    results["parameter_bytes"], results["parameter_bytes_per_process"] = model_bytes, [int(b) for b in per_process[:, 5]]
+    results["parameter_bytes"] = model_bytes  # and what each process held: under FSDP its shards, about 1/N
+    results["parameter_bytes_per_process"] = [int(b) for b in per_process[:, 5]]
     if accelerator.is_fsdp2:
         full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
         replicas = [[fingerprint(full_weights.values()), 0]] if accelerator.is_main_process else []
