@@ -17,6 +17,9 @@ from utils.launch_checks import fsdp_launch
 
 # The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
 ADAPTED_ACCELERATE = "1.15."
+BF16_ON_CPU = ("--mixed_precision bf16 under FSDP on CPU processes: FSDP2's policy casts BatchNorm's weights to bf16, "
+               "which torch's CPU batch_norm refuses beside its fp32 running statistics; train in fp32 "
+               "(--mixed_precision no) on the CPU")
 
 
 def shard_on_cpu(accelerator) -> None:
@@ -46,8 +49,8 @@ def shard_on_cpu(accelerator) -> None:
         # fails on buffers, which BatchNorm has (on GPUs too)
         raise UserError("fsdp_cpu_ram_efficient_loading fails for models with buffers (BatchNorm's statistics) in "
                         "accelerate 1.15: set fsdp_cpu_ram_efficient_loading: false")
-    if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)  # FSDP2's MixedPrecisionPolicy, as on GPUs
+    if accelerator.mixed_precision != "no":  # fp16 is refused on the CPU already (utils/launch_checks.py)
+        raise UserError(BF16_ON_CPU)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
