@@ -67,7 +67,7 @@ def complete_fsdp_model(accelerator, model) -> None:
       resume would differ from the uninterrupted run). Collective, as evaluating and saving are.
     - its process groups end with the run: torch's DTensor caches (sharding propagation, redistribution plans, mesh
       topology) keep the device mesh, and with it the gloo group, alive after end_training, and a gloo worker
-      thread alive at exit can abort it (docs/migration_guide.md, "Ending a run cleanly"). At exit the mesh lets go
+      thread alive at exit can abort it (docs/migration_guide.md, "Ending a run cleanly"). At exit every mesh lets go
       of its groups, which are then freed.
     """
     import atexit
@@ -92,18 +92,19 @@ def complete_fsdp_model(accelerator, model) -> None:
 
     model.register_forward_pre_hook(before_forward)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
-    meshes = {parameter.device_mesh for parameter in model.parameters()}  # each DTensor parameter's
-    if not all(hasattr(mesh, "_pg_registry") for mesh in meshes):
+    if not all(hasattr(parameter.device_mesh, "_pg_registry") for parameter in model.parameters()):
         raise RuntimeError(f"utils/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
-    atexit.register(_release_process_groups, meshes)  # runs before the interpreter tears down the threads
+    atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
 
 
-def _release_process_groups(meshes) -> None:
-    """Drop the process groups each DeviceMesh holds (torch's DTensor caches keep the meshes alive past
-    end_training), so that they are freed and their worker threads joined now."""
+def _release_process_groups() -> None:
+    """Make every DeviceMesh let go of its process groups (torch's DTensor caches keep meshes, and copies of them,
+    alive past end_training), so that the groups are freed and their worker threads joined now."""
     import gc
 
-    for mesh in meshes:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
         mesh._pg_registry.clear()
     gc.collect()
 
