@@ -59,6 +59,7 @@ from utils.flags import (  # noqa: E402
     check_flag_combinations,
     tracker_config,
 )
+from utils.fsdp import shard_on_cpu  # noqa: E402
 from utils.hangs import collective_timeouts_named  # noqa: E402
 from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
@@ -157,6 +158,7 @@ def main(args):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])  # --ddp_timeout
     # shared: after the Accelerator
     check_accelerator(accelerator)
+    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint

@@ -119,6 +119,8 @@ def check_command(command: str, help_of):
         assert_script_and_flags(words[at:], help_of, command)
     elif words[:2] == ["accelerate", "config"]:
         assert_flags_exist(words[2:], help_of(*ACCELERATE, "config"), command)
+    elif words[:2] == ["accelerate", "merge-weights"]:  # a sharded checkpoint into one file (docs/fsdp.md)
+        assert_flags_exist(words[2:], help_of(*ACCELERATE, "merge-weights"), command)
     elif program == "torchrun":
         at = next(i for i, w in enumerate(words) if w.endswith(".py"))
         assert_flags_exist(words[1:at], help_of(sys.executable, "-m", "torch.distributed.run"), command)

@@ -25,7 +25,7 @@ def topology_problems(config: dict) -> list:
     if kind == "MULTI_GPU" and not cpu and processes < 2:
         problems.append("MULTI_GPU with one process")
     if kind == "FSDP" and (cpu or config.get("fsdp_config", {}).get("fsdp_version") != 2):
-        problems.append("FSDP: GPUs and FSDP2 only")
+        problems.append("FSDP: FSDP2 only, use_cpu false (the scripts' --cpu shards over CPU processes)")
     gpu_ids = config.get("gpu_ids")
     if gpu_ids not in (None, "all"):
         ids = [i.strip() for i in str(gpu_ids).split(",")]

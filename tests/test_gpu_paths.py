@@ -67,11 +67,11 @@ def test_torch_compile_leaves_no_wrapper_in_the_saved_weights(synthetic_mnist, t
     ConvNet().load_state_dict(weights)  # strict: every name matches the plain model
 
 
-def test_fsdp_launch_with_cpu_is_refused_in_one_line(synthetic_mnist, tmp_path):
-    """With cpu=True Accelerate would silently replace FSDP by plain DDP (or, without GPUs, fail deep
-    inside); the scripts say so instead of training unsharded."""
-    cmd = [*launcher_args(1), "--use_fsdp", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist,
-           "--output_dir", tmp_path / "out"]
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without GPUs: there FSDP needs --cpu")
+def test_fsdp_launch_without_gpus_or_cpu_is_refused_in_one_line(synthetic_mnist, tmp_path):
+    """Without GPUs and without --cpu the processes would form no group, each training the whole model; the scripts
+    say to add --cpu instead (with it FSDP2 shards over the CPU processes: tests/test_fsdp.py)."""
+    cmd = [*launcher_args(1), "--use_fsdp", TRAIN_MNIST, "--data_dir", synthetic_mnist, "--output_dir", tmp_path / "out"]
     proc = run(cmd, check=False)
     assert_clean_user_error(proc, "FSDP", "--cpu")
     assert not (tmp_path / "out").exists()

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 from accelerate.logging import get_logger
-from accelerate.utils import find_executable_batch_size
+from accelerate.utils import DistributedType, find_executable_batch_size
 from torch.utils.data import default_collate
 
 from utils.checkpoints import accumulation_keeping
@@ -27,6 +27,9 @@ def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=N
     `model_input`: what the run does to a batch on the device before the model sees it (the image script
     normalises its uint8 images there).
     """
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise UserError("--auto_find_batch_size probes a training step of the whole, unsharded model on each process, "
+                        "which says nothing of what fits under FSDP: give --batch_size without it under FSDP")
     requested = args.batch_size
     model.to(accelerator.device)
     saved_weights = {name: tensor.to("cpu", copy=True) for name, tensor in model.state_dict().items()}

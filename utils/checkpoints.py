@@ -32,6 +32,7 @@ from safetensors.torch import load_file
 
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
+from utils.fsdp import complete_fsdp_model
 from utils.results import RUN_RECORD, write_json_atomically
 
 TRAINING_STATE = "training_state.json"
@@ -351,6 +352,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     one clear line when the folder does not fit the run.
     The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
+    complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (utils/fsdp.py)
     if checkpoint is None:
         if args.resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)

@@ -6,9 +6,8 @@ from pathlib import Path
 
 from utils.errors import UserError
 
-FSDP_NEEDS_GPUS = ("the launch asks for FSDP, which shards the model over GPUs, but this run has none (or --cpu, with "
-                   "which Accelerate would silently train unsharded with DDP); launch FSDP on GPUs without --cpu, or "
-                   "use a non-FSDP config on the CPU")
+FSDP_NEEDS_DEVICES = ("the launch asks for FSDP, but this machine has no GPUs to shard the model over; add --cpu after "
+                      "the script's name to shard it over CPU processes (docs/fsdp.md)")
 
 
 def check_accelerator(accelerator) -> None:
@@ -107,15 +106,14 @@ def fsdp_launch() -> bool:
 def check_enough_devices(cpu: bool) -> None:
     """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
     one process per GPU, so a machine cannot run more local processes than it has GPUs; and FSDP
-    only where it can shard (GPUs, no --cpu)."""
+    only where it can shard: on GPUs, or on CPU processes with --cpu (utils/fsdp.py)."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     gpus = torch.cuda.device_count()
-    # With cpu=True Accelerate silently turns an FSDP launch into plain DDP (every process holds
-    # the whole model while the user believes it is sharded); without GPUs it fails deep inside.
-    if fsdp_launch() and (cpu or gpus == 0):
-        raise UserError(FSDP_NEEDS_GPUS)
+    # Without GPUs and without --cpu the processes would form no group, each holding the whole model
+    if fsdp_launch() and not cpu and gpus == 0:
+        raise UserError(FSDP_NEEDS_DEVICES)
     if not cpu and gpus > 0 and local_rank >= gpus:
         local_processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
         raise UserError(

@@ -14,6 +14,7 @@ import torch
 from accelerate.utils import is_compiled_module
 
 from utils.errors import UserError
+from utils.fsdp import parameter_bytes
 
 RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/checkpoints.py)
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
@@ -175,8 +176,10 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
     shard, so the full weights are fingerprinted once.
     """
     device = accelerator.device
+    local_bytes, model_bytes = parameter_bytes(model)  # under FSDP: this process's shards
     per_process = accelerator.gather(torch.tensor(
-        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device), meter.samples]],
+        [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device), meter.samples,
+          local_bytes]],
         dtype=torch.float64, device=device,
     )).cpu()
     slowest, slowest_in_all = per_process[:, 1].max().item(), per_process[:, 2].max().item()
@@ -190,6 +193,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
         results["train_samples_per_second"], results["train_samples_per_second_over"] = None, "no_batches"
     results["train_time_s"] = slowest_in_all
     results["peak_memory_mb"] = per_process[:, 3].max().item()
+    results["parameter_bytes"] = model_bytes  # and what each process held: under FSDP its shards, about 1/N
+    results["parameter_bytes_per_process"] = [int(b) for b in per_process[:, 5]]
     if accelerator.is_fsdp2:
         full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
         replicas = [[fingerprint(full_weights.values()), 0]] if accelerator.is_main_process else []

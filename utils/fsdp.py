@@ -1,0 +1,118 @@
+"""FSDP2 on CPU processes (a gloo group), through the same Accelerator calls as on GPUs.
+
+PyTorch's FSDP2 (`torch.distributed.fsdp.fully_shard`) and its distributed checkpoints (DCP) run on CPU
+tensors over gloo; Accelerate 1.15 just never chooses them there. `AcceleratorState.__init__`
+(accelerate/state.py, the branch `elif self.distributed_type in [DistributedType.MULTI_GPU, ...MULTI_NEURON]`)
+switches to `DistributedType.FSDP` and keeps the FSDP plugin only for GPU-like process groups; a CPU group
+(`MULTI_CPU`: `Accelerator(cpu=True)` under torchrun) keeps DDP and drops the plugin, and no setting
+changes that. `shard_on_cpu` makes, once the Accelerator is built, the three assignments that branch would
+have made. Everything after it is Accelerate's own FSDP2 code, unchanged: `prepare` calls `fully_shard`,
+`save_state`/`load_state` write and read DCP shards, `get_state_dict` and `save_model` gather the whole
+weights. Hand-written because Accelerate has no switch for it; it fails with one line, never silently,
+when the Accelerate it was written against changes.
+"""
+
+from utils.errors import UserError
+from utils.launch_checks import fsdp_launch
+
+# The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
+ADAPTED_ACCELERATE = "1.15."
+BF16_ON_CPU = ("--mixed_precision bf16 under FSDP on CPU processes: FSDP2's policy casts BatchNorm's weights to bf16, "
+               "which torch's CPU batch_norm refuses beside its fp32 running statistics; train in fp32 "
+               "(--mixed_precision no) on the CPU")
+
+
+def shard_on_cpu(accelerator) -> None:
+    """Under an FSDP launch on CPU processes (the scripts' --cpu), turn the Accelerator's DDP setup into FSDP2, as
+    it would be on GPUs. Does nothing on GPUs, without an FSDP launch, or where Accelerate chose FSDP itself."""
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin
+
+    if not fsdp_launch() or accelerator.distributed_type != DistributedType.MULTI_CPU:
+        return
+    adapted = accelerate.__version__.startswith(ADAPTED_ACCELERATE) and "distributed_type" in PartialState._shared_state
+    if not adapted:
+        raise UserError(
+            f"FSDP on CPU processes goes through utils/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
+            f"this is accelerate {accelerate.__version__}; install the tested one (pip install -c constraints.txt "
+            f"accelerate), or launch FSDP on GPUs")
+    if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
+        raise UserError("--compile (a dynamo backend) with FSDP on CPU processes has not been tested here; train "
+                        "without --compile, or with FSDP on GPUs")
+    plugin = FullyShardedDataParallelPlugin()  # from the launch's FSDP_* settings, as the Accelerator built its own
+    if plugin.fsdp_version != 2:
+        raise UserError(f"FSDP on CPU processes needs FSDP2 (fully_shard); this launch asks for fsdp_version "
+                        f"{plugin.fsdp_version}: set fsdp_version: 2 (accelerate_configs/fsdp_cpu.yaml)")
+    if plugin.cpu_ram_efficient_loading:
+        # accelerate 1.15's fsdp2_load_full_state_dict treats every state_dict entry as a sharded parameter and
+        # fails on buffers, which BatchNorm has (on GPUs too)
+        raise UserError("fsdp_cpu_ram_efficient_loading fails for models with buffers (BatchNorm's statistics) in "
+                        "accelerate 1.15: set fsdp_cpu_ram_efficient_loading: false")
+    if accelerator.mixed_precision != "no":  # fp16 is refused on the CPU already (utils/launch_checks.py)
+        raise UserError(BF16_ON_CPU)
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def complete_fsdp_model(accelerator, model) -> None:
+    """What a prepared FSDP `model` needs beyond Accelerate, on GPUs as on CPUs (nothing without FSDP):
+
+    - its buffers (BatchNorm's running statistics) mean what they mean under DDP: rank 0's. FSDP shards parameters
+      only, and each process updates its own copy of the buffers from its own batches; DDP broadcasts rank 0's
+      before each forward, so every process evaluates the same model, the one model.safetensors holds. Here every
+      process takes rank 0's buffers before its first evaluation forward after training, and before each
+      state_dict() (else save_state's DCP files keep each buffer from whichever process DCP's planner picks, and a
+      resume would differ from the uninterrupted run). Collective, as evaluating and saving are.
+    - its process groups end with the run: torch's DTensor caches (sharding propagation, redistribution plans, mesh
+      topology) keep the device mesh, and with it the gloo group, alive after end_training, and a gloo worker
+      thread alive at exit can abort it (docs/migration_guide.md, "Ending a run cleanly"). At exit every mesh lets go
+      of its groups, which are then freed.
+    """
+    import atexit
+
+    import torch
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return
+    in_sync = {"buffers": False}
+
+    def broadcast_from_rank_0():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+        in_sync["buffers"] = True
+
+    def before_forward(module, args):
+        if module.training:
+            in_sync["buffers"] = False
+        elif not in_sync["buffers"]:
+            broadcast_from_rank_0()
+
+    model.register_forward_pre_hook(before_forward)
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
+    if not all(hasattr(parameter.device_mesh, "_pg_registry") for parameter in model.parameters()):
+        raise RuntimeError(f"utils/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
+    atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
+
+
+def _release_process_groups() -> None:
+    """Make every DeviceMesh let go of its process groups (torch's DTensor caches keep meshes, and copies of them,
+    alive past end_training), so that the groups are freed and their worker threads joined now."""
+    import gc
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+        mesh._pg_registry.clear()
+    gc.collect()
+
+
+def parameter_bytes(model) -> tuple:
+    """(bytes of the parameters this process holds, bytes of the whole model's): under FSDP a process holds its
+    shard of each parameter (a DTensor's local tensor), about 1/N of the model; under DDP the whole model."""
+    from torch.distributed.tensor import DTensor
+
+    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
+    return local, sum(p.numel() * p.element_size() for p in model.parameters())
