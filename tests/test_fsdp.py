@@ -5,7 +5,6 @@ the same process count (the same final weights) and on another one (every sample
 weights out under the plain model's names. Six launches in all, each checking as much as it can."""
 
 import json
-import os
 import re
 import shutil
 from types import SimpleNamespace
