@@ -139,6 +139,17 @@ def test_the_check_fails_on_a_missing_or_a_wrong_marker():
     assert any("self.accelerator.backward" in p for p in problems("def f(self):\n    self.accelerator.backward(x)\n"))
 
 
+def own_nodes(function):
+    """The nodes of `function`'s body, not those of the functions defined inside it: a hook it registers
+    is called later by torch, and is a function of its own here."""
+    pending = list(ast.iter_child_nodes(function))
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            pending.extend(ast.iter_child_nodes(node))
+
+
 def collective_functions() -> set:
     """utils' functions that reach an Accelerate collective, directly or through another of them."""
     functions = {}
@@ -146,7 +157,7 @@ def collective_functions() -> set:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 called = {n.func.attr if isinstance(n.func, ast.Attribute) else n.func.id
-                          for n in ast.walk(node) if isinstance(n, ast.Call)
+                          for n in own_nodes(node) if isinstance(n, ast.Call)
                           and isinstance(n.func, (ast.Attribute, ast.Name))}
                 functions.setdefault(node.name, set()).update(called)
     collective = {name for name, called in functions.items() if called & ACCELERATE_COLLECTIVES}

@@ -26,4 +26,8 @@ COLLECTIVE_HELPERS = (
     "save_model_ema",  # ema.py: gathers every process's fingerprints of the average
     "epoch_batches",  # streaming.py: a stream's batches_every_process_has
     "batches_every_process_has",  # streaming.py: gathers every process's "I have a whole accumulation cycle" per cycle
+    # fsdp.py: complete_fsdp_model's hooks, which torch calls (the scripts never do): they broadcast rank 0's
+    # buffers before the first evaluation forward after training and before each state_dict(), both collective
+    "broadcast_from_rank_0",
+    "before_forward",
 )
