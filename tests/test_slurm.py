@@ -110,10 +110,13 @@ def sigterm_is_pending(proc) -> bool:
 
 class KillRankOnNode2:
     """For preempt_mid_epoch: at the first checkpoint, SIGKILL the training process on node2; ready once
-    the launchers have started new processes on both nodes and these catch SIGTERM (--save_on_signal's
-    handler is set, early in the script: they will take the preemption's signal as the first ones did)."""
+    the launchers have started new processes on both nodes, these catch SIGTERM (--save_on_signal's
+    handler) and rank 0 has resumed from epoch_0. Not earlier: processes still importing and loading
+    when the preemption comes have only Slurm's KillWait (10 s) to get to a step and save, which a
+    loaded 2-core machine does not always give them."""
 
-    def __init__(self):
+    def __init__(self, job_log_text):
+        self.job_log_text = job_log_text  # () -> the job's log so far
         self.dead = None
 
     def __call__(self, output_dir) -> bool:
@@ -126,7 +129,8 @@ class KillRankOnNode2:
                     self.dead = {w.pid for w in workers}
                 return False
             return (len(workers) == 2 and not self.dead & {w.pid for w in workers}
-                    and all(sigterm_in_masks(w, "SigCgt") for w in workers))
+                    and all(sigterm_in_masks(w, "SigCgt") for w in workers)
+                    and f"Resumed from {Path(output_dir) / 'epoch_0'}:" in self.job_log_text())
         except (psutil.NoSuchProcess, FileNotFoundError):  # a process of the first attempt just ended
             return False
 
@@ -234,7 +238,8 @@ def term_jobs(cluster, data, tmp_path_factory):
                             cpus_per_gpu=CPUS_PER_NODE, env={"OMP_NUM_THREADS": "1"}),
     }
     cpus = preempt_mid_epoch(cluster, {name: (job_id, root / name) for name, job_id in job_ids.items()},
-                             preempt=preempt_by_urgent_job, ready={"two_nodes": KillRankOnNode2()})
+                             preempt=preempt_by_urgent_job,
+                             ready={"two_nodes": KillRankOnNode2(lambda: job_log(root, job_ids["two_nodes"]))})
     for job_id in job_ids.values():
         start_when_requeued(cluster, job_id)
     return {name: (root / name, cpus[name], finish(cluster, job_id, root)) for name, job_id in job_ids.items()}

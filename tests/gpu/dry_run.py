@@ -185,5 +185,9 @@ def source_files(repo: Path) -> list:
 
 
 def local_module_names(repo: Path) -> set:
-    """Modules the project itself provides: its packages and the files the tests import by name."""
-    return {"utils", "scripts", "tests"} | {p.stem for p in source_files(repo)}
+    """Modules the project itself provides: its packages, the files the tests import by name and the top-level
+    packages among them (tests/standins' apex and horovod, which the tests put on PYTHONPATH)."""
+    files = source_files(repo)
+    top_level_packages = {p.parent.name for p in files
+                          if p.name == "__init__.py" and not (p.parent.parent / "__init__.py").is_file()}
+    return {"utils", "scripts", "tests"} | {p.stem for p in files} | top_level_packages
