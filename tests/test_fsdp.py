@@ -2,21 +2,29 @@
 over 2 and 3 gloo processes through the same prepare/save_state/load_state/get_state_dict/save_model calls a GPU run
 makes. Proven against a DDP run of the same seed (loss per step, evaluation), with the checkpoints' shards resumed on
 the same process count (the same final weights) and on another one (every sample trained once, by id), and the whole
-weights out under the plain model's names. Six launches in all, each checking as much as it can."""
+weights out under the plain model's names; an FSDP run's ONNX export, and a damaged DCP shard found by the manifest.
+Six launches in all, each checking as much as it can; the independent ones run side by side (`side_by_side`)."""
 
+import importlib.util
 import json
 import re
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torchvision
 from accelerate.utils import merge_fsdp_weights
-from helpers import REPO, launch, launcher_args, make_synthetic_mnist, results, run
+from helpers import REPO, launch, launcher_args, make_synthetic_mnist, results, run, skip_or_fail_in_ci
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 
+from utils import checkpoints
+from utils.data import load_mnist_idx, normalise_mnist
+from utils.errors import UserError
 from utils.models import ConvNet
 
 FSDP_CPU = REPO / "accelerate_configs" / "fsdp_cpu.yaml"
@@ -38,6 +46,21 @@ def launch_fsdp(script, args, num_processes, sample_log=None):
     cmd += [RECORDER, script] if sample_log else [script]
     env = {"SAMPLE_LOG": str(sample_log)} if sample_log else None
     return run([*cmd, "--cpu", *args], env=env)
+
+
+def side_by_side(*launches) -> list:
+    """Run independent launches at the same time, returning their finished processes in order. A launch of this
+    size is mostly start-up (imports), waits on its peers and fsyncs: two at once take much less than one after the
+    other, even on 2 cores."""
+    with ThreadPoolExecutor(len(launches)) as pool:
+        return [future.result() for future in [pool.submit(launch) for launch in launches]]
+
+
+def flip_a_byte(path) -> None:
+    """One byte of `path` changed in the middle, its size kept: only the manifest's sha256 can tell."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def logged_losses(proc) -> dict:
@@ -70,20 +93,25 @@ def assert_dcp_checkpoint(folder, num_processes):
 
 @pytest.fixture(scope="module")
 def mnist_runs(tmp_path_factory):
-    """DDP on 2 processes; FSDP on 2 (a checkpoint every 2 steps); FSDP on 3 resumed from the FSDP run's step_2
-    (mid-epoch 0), itself saving step_4; FSDP on 2 resumed from the FSDP run's step_4 (mid-epoch 1)."""
+    """DDP on 2 processes beside FSDP on 2 (a checkpoint every 2 steps); then, side by side, FSDP on 3 resumed from
+    the FSDP run's step_2 (mid-epoch 0) with a damaged copy of its step_4 beside it ('latest' must pass over it),
+    itself saving step_4, and FSDP on 2 resumed from the FSDP run's step_4 (mid-epoch 1)."""
     root = tmp_path_factory.mktemp("fsdp_mnist")
     data = make_synthetic_mnist(root / "data", num_train=N, num_test=203)
     args = ["--data_dir", data, *map(str, MNIST)]
-    runs = {"ddp": launch([*args, "--output_dir", root / "ddp"], num_processes=2)}
-    runs["fsdp"] = launch_fsdp(TRAIN_MNIST, [*args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"], 2,
-                               sample_log=root / "samples_fsdp")
-    for name, source, checkpoint, num_processes, batch_size in (("resized", "fsdp", "step_2", 3, "16"),
-                                                               ("resumed", "fsdp", "step_4", 2, "24")):
-        shutil.copytree(root / source / checkpoint, root / name / checkpoint)
-        runs[name] = launch_fsdp(TRAIN_MNIST, [*args, "--output_dir", root / name, "--batch_size", batch_size,
-                                               "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"],
-                                 num_processes, sample_log=root / f"samples_{name}")
+    runs = dict(zip(("ddp", "fsdp"), side_by_side(
+        partial(launch, [*args, "--output_dir", root / "ddp"], num_processes=2),
+        partial(launch_fsdp, TRAIN_MNIST, [*args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"], 2,
+                sample_log=root / "samples_fsdp"))))
+    shutil.copytree(root / "fsdp" / "step_4", root / "resized" / "step_4")
+    flip_a_byte(root / "resized" / "step_4" / "pytorch_model_fsdp_0" / "__1_0.distcp")  # process 1's model shard
+    resumes = []
+    for name, checkpoint, num_processes, batch_size in (("resized", "step_2", 3, "16"), ("resumed", "step_4", 2, "24")):
+        shutil.copytree(root / "fsdp" / checkpoint, root / name / checkpoint)
+        resumes.append(partial(launch_fsdp, TRAIN_MNIST, [
+            *args, "--output_dir", root / name, "--batch_size", batch_size, "--checkpointing_steps", "2",
+            "--resume_from_checkpoint", "latest"], num_processes, sample_log=root / f"samples_{name}"))
+    runs.update(zip(("resized", "resumed"), side_by_side(*resumes)))
     return root, runs
 
 
@@ -129,6 +157,12 @@ def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(mnist_runs
     r = results(root / "resized")
     assert_sharded(r, 3)
     assert r["resumed_from"].endswith("step_2") and r["global_batch_size"] == 48 and r["global_step"] == 6
+    # the newer step_4 beside it had one byte of a model shard flipped: 'latest' passed over it, in one line
+    skipped = [line.split(" WARNING ", 1)[1] for line in runs["resized"].stderr.splitlines()
+               if "skipping damaged checkpoint" in line]
+    assert skipped == ["--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (pytorch_model_fsdp_0/"
+                       "__1_0.distcp differs from its sha256 when saved); resuming from "
+                       f"{root / 'resized' / 'step_2'}"], runs["resized"].stderr
     assert r["samples_seen"] == 2 * N
     before = [i for rank in range(2) for i in fetched(root / "samples_fsdp", rank)[:2 * 24]]
     after = [fetched(root / "samples_resized", rank) for rank in range(3)]
@@ -141,14 +175,52 @@ def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(mnist_runs
     ConvNet().load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: BatchNorm statistics too
 
 
+def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(mnist_runs, tmp_path):
+    """The manifest lists and hashes every process's .distcp file: one flipped byte in one shard of the optimizer
+    makes the checkpoint damaged; named, it is refused in one line naming the file and the newest good one.
+    ('latest' passing over one: the 3-process resume above.)"""
+    root, _ = mnist_runs
+    for checkpoint in ("step_2", "step_4"):
+        shutil.copytree(root / "fsdp" / checkpoint, tmp_path / checkpoint)
+    assert checkpoints.check_checkpoint(tmp_path / "step_4") is None
+    flip_a_byte(tmp_path / "step_4" / "optimizer_0" / "__0_0.distcp")
+    with pytest.raises(UserError) as refused:
+        checkpoints.resolve_checkpoint(str(tmp_path / "step_4"), tmp_path)
+    assert str(refused.value) == (f"checkpoint {tmp_path / 'step_4'} is damaged (optimizer_0/__0_0.distcp differs from "
+                                  f"its sha256 when saved); resume from the newest good one, {tmp_path / 'step_2'}")
+    assert "\n" not in str(refused.value)
+
+
+def test_onnx_export_of_an_fsdp_run_matches_pytorch(mnist_runs, tmp_path):
+    """scripts/predict.py --export onnx on the FSDP run's folder: onnxruntime's logits on the run's digits are those
+    of the plain ConvNet loaded with the run's model.safetensors (as tests/test_predict.py checks a DDP run's)."""
+    if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime")):
+        skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
+    import onnxruntime
+
+    root, _ = mnist_runs
+    path = tmp_path / "fsdp.onnx"
+    proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", root / "fsdp", "--data_dir", root / "data", "--export",
+                "onnx", "--export_file", path, "--batch_size", "16"])
+    assert f"Wrote {path}" in proc.stdout
+    digits = load_mnist_idx(root / "data")["test"][0][:16].unsqueeze(1)  # uint8 (16, 1, 28, 28), as predict.py reads
+    model = ConvNet()
+    model.load_state_dict(load_file(root / "fsdp" / "model.safetensors"))
+    with torch.no_grad():
+        expected = model.eval()(normalise_mnist(digits)).numpy()
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"images": digits.numpy()})[0]
+    assert logits.shape == (16, 10) and abs(logits - expected).max() <= 1e-4, abs(logits - expected).max()
+
+
 def test_image_classifier_fsdp_on_3_resumes_on_2_and_predicts(tmp_path):
     """A torchvision ResNet-18 (32 px, 4 classes of generated images) under FSDP2 with --gradient_checkpointing on 3
     processes, resumed mid-epoch on 2; the whole weights load into a plain torchvision resnet18, and
     scripts/predict.py reads the run."""
-    data = make_split_image_folder(tmp_path / "data", train_per_class=12, val_per_class=5)
+    data = make_split_image_folder(tmp_path / "data", train_per_class=9, val_per_class=5)
     common = ["--data_dir", data, "--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer",
               "adamw", "--num_workers", "0", "--epochs", "1", "--gradient_checkpointing"]
-    # 48 images: 3 x 4 = 2 x 6 = 12 per step, 4 steps
+    # 36 images: 3 x 4 = 2 x 6 = 12 per step, 3 steps; step_2 is the one checkpoint
     launch_fsdp(CLASSIFIER, [*common, "--batch_size", "4", "--output_dir", tmp_path / "on3", "--checkpointing_steps",
                              "2"], 3)
     saved = results(tmp_path / "on3")
@@ -160,13 +232,13 @@ def test_image_classifier_fsdp_on_3_resumes_on_2_and_predicts(tmp_path):
                              "latest"], 2)
     r = results(tmp_path / "on2")
     assert_sharded(r, 2)
-    assert r["global_step"] == 4 and r["samples_seen"] == saved["samples_seen"] == 48 and r["eval_samples"] == 20
+    assert r["global_step"] == 3 and r["samples_seen"] == saved["samples_seen"] == 36 and r["eval_samples"] == 20
     weights = load_file(tmp_path / "on2" / "model.safetensors")
     plain = torchvision.models.resnet18(num_classes=4)
     plain.load_state_dict(weights)  # strict: the plain torchvision names, nothing sharded or wrapped
     predictions = tmp_path / "predictions.csv"
-    launch(["--model_dir", tmp_path / "on2", "--data_dir", data, "--output_file", predictions, "--num_workers", "0"],
-           script=PREDICT)
+    run([sys.executable, PREDICT, "--cpu", "--model_dir", tmp_path / "on2", "--data_dir", data, "--output_file",
+         predictions, "--num_workers", "0"])
     assert len(predictions.read_text().splitlines()) == 1 + 20
 
 
