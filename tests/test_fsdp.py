@@ -3,7 +3,7 @@ over 2 and 3 gloo processes through the same prepare/save_state/load_state/get_s
 makes. Proven against a DDP run of the same seed (loss per step, evaluation), with the checkpoints' shards resumed on
 the same process count (the same final weights) and on another one (every sample trained once, by id), and the whole
 weights out under the plain model's names; an FSDP run's ONNX export, and a damaged DCP shard found by the manifest.
-Six launches in all, each checking as much as it can; the independent ones run side by side (`side_by_side`)."""
+Six launches in all, each checking as much as it can, in two rounds of independent ones side by side (`launched`)."""
 
 import importlib.util
 import json
@@ -36,6 +36,10 @@ N = 144  # training digits: 2 x 24 = 3 x 16 = 48 per optimizer step, 3 steps per
 MNIST = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "24", "--logging_steps", "1", "--seed", "1"]
 # the losses of FSDP and DDP differ only by the order of the gradients' sums (reduce-scatter vs all-reduce)
 LOSS_TOLERANCE = 1e-4
+# the image classifier: a torchvision ResNet-18 with --gradient_checkpointing on 36 generated 32 px images of 4 classes
+# (9 per class), 3 x 4 = 2 x 6 = 12 per step, 3 steps
+CLASSIFIER_ARGS = ["--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer", "adamw",
+                   "--num_workers", "0", "--epochs", "1", "--gradient_checkpointing"]
 LOGGED_LOSS = re.compile(r"step (\d+): \{'loss': ([-+.e0-9]+)")
 
 
@@ -91,32 +95,52 @@ def assert_dcp_checkpoint(folder, num_processes):
         assert all(f"{part}/{shard}" in listed for shard in shards), manifest
 
 
+EXPORT_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+
+
 @pytest.fixture(scope="module")
-def mnist_runs(tmp_path_factory):
-    """DDP on 2 processes beside FSDP on 2 (a checkpoint every 2 steps); then, side by side, FSDP on 3 resumed from
-    the FSDP run's step_2 (mid-epoch 0) with a damaged copy of its step_4 beside it ('latest' must pass over it),
-    itself saving step_4, and FSDP on 2 resumed from the FSDP run's step_4 (mid-epoch 1)."""
-    root = tmp_path_factory.mktemp("fsdp_mnist")
+def launched(tmp_path_factory):
+    """Every process this module starts, in two rounds side by side (the second reads what the first wrote).
+    First: MNIST under DDP on 2 processes, MNIST under FSDP on 2 (a checkpoint every 2 steps), the image classifier
+    under FSDP on 3 (checkpoint step_2). Then: MNIST under FSDP on 3 resumed from the FSDP run's step_2 (mid-epoch 0)
+    with a damaged copy of its step_4 beside it ('latest' must pass over it), itself saving step_4; MNIST under FSDP
+    on 2 resumed from the FSDP run's step_4 (mid-epoch 1); the image classifier resumed from its step_2 on 2;
+    scripts/predict.py on the classifier's 3-process run, and its ONNX export of the MNIST FSDP run."""
+    root = tmp_path_factory.mktemp("fsdp")
     data = make_synthetic_mnist(root / "data", num_train=N, num_test=203)
     args = ["--data_dir", data, *map(str, MNIST)]
-    runs = dict(zip(("ddp", "fsdp"), side_by_side(
+    images = make_split_image_folder(root / "images", train_per_class=9, val_per_class=5)
+    classifier = [*CLASSIFIER_ARGS, "--data_dir", images]
+    runs = dict(zip(("ddp", "fsdp", "on3"), side_by_side(
         partial(launch, [*args, "--output_dir", root / "ddp"], num_processes=2),
         partial(launch_fsdp, TRAIN_MNIST, [*args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"], 2,
-                sample_log=root / "samples_fsdp"))))
+                sample_log=root / "samples_fsdp"),
+        partial(launch_fsdp, CLASSIFIER, [*classifier, "--batch_size", "4", "--output_dir", root / "on3",
+                                          "--checkpointing_steps", "2"], 3))))
+
+    second = {}
     shutil.copytree(root / "fsdp" / "step_4", root / "resized" / "step_4")
     flip_a_byte(root / "resized" / "step_4" / "pytorch_model_fsdp_0" / "__1_0.distcp")  # process 1's model shard
-    resumes = []
     for name, checkpoint, num_processes, batch_size in (("resized", "step_2", 3, "16"), ("resumed", "step_4", 2, "24")):
         shutil.copytree(root / "fsdp" / checkpoint, root / name / checkpoint)
-        resumes.append(partial(launch_fsdp, TRAIN_MNIST, [
+        second[name] = partial(launch_fsdp, TRAIN_MNIST, [
             *args, "--output_dir", root / name, "--batch_size", batch_size, "--checkpointing_steps", "2",
-            "--resume_from_checkpoint", "latest"], num_processes, sample_log=root / f"samples_{name}"))
-    runs.update(zip(("resized", "resumed"), side_by_side(*resumes)))
+            "--resume_from_checkpoint", "latest"], num_processes, sample_log=root / f"samples_{name}")
+    shutil.copytree(root / "on3" / "step_2", root / "on2" / "step_2")
+    second["on2"] = partial(launch_fsdp, CLASSIFIER, [*classifier, "--batch_size", "6", "--output_dir", root / "on2",
+                                                      "--resume_from_checkpoint", "latest"], 2)
+    second["predict"] = partial(run, [sys.executable, PREDICT, "--cpu", "--model_dir", root / "on3", "--data_dir",
+                                      images, "--output_file", root / "predictions.csv", "--num_workers", "0"])
+    if all(importlib.util.find_spec(name) for name in EXPORT_PACKAGES):  # else the export's test says what is missing
+        second["export"] = partial(run, [sys.executable, PREDICT, "--cpu", "--model_dir", root / "fsdp", "--data_dir",
+                                         data, "--export", "onnx", "--export_file", root / "fsdp.onnx",
+                                         "--batch_size", "16"])
+    runs.update(zip(second, side_by_side(*second.values())))
     return root, runs
 
 
-def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(mnist_runs):
-    root, runs = mnist_runs
+def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(launched):
+    root, runs = launched
     fsdp, ddp = results(root / "fsdp"), results(root / "ddp")
     assert_sharded(fsdp, 2)
     assert ddp["sharded"] is False and ddp["parameter_bytes_per_process"] == [ddp["parameter_bytes"]] * 2
@@ -137,8 +161,8 @@ def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(mnist_runs):
     assert_dcp_checkpoint(root / "fsdp" / "step_2", 2)
 
 
-def test_mnist_fsdp_resumes_mid_epoch_to_the_same_weights(mnist_runs):
-    root, runs = mnist_runs
+def test_mnist_fsdp_resumes_mid_epoch_to_the_same_weights(launched):
+    root, _ = launched
     r, uninterrupted = results(root / "resumed"), results(root / "fsdp")
     assert_sharded(r, 2)
     assert r["resumed_from"].endswith("step_4") and r["global_step"] == uninterrupted["global_step"] == 6
@@ -150,19 +174,19 @@ def test_mnist_fsdp_resumes_mid_epoch_to_the_same_weights(mnist_runs):
     assert r["eval_accuracy"] == uninterrupted["eval_accuracy"] and r["eval_loss"] == uninterrupted["eval_loss"]
 
 
-def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(mnist_runs, tmp_path):
+def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(launched, tmp_path):
     """The shards of 2 processes resharded onto 3 (DCP on load); the ids the processes fetched, gathered: epoch 0 is
     the 2-process run's first 2 steps and the 3-process run's last one, every digit exactly once."""
-    root, runs = mnist_runs
+    root, runs = launched
     r = results(root / "resized")
     assert_sharded(r, 3)
     assert r["resumed_from"].endswith("step_2") and r["global_batch_size"] == 48 and r["global_step"] == 6
     # the newer step_4 beside it had one byte of a model shard flipped: 'latest' passed over it, in one line
     skipped = [line.split(" WARNING ", 1)[1] for line in runs["resized"].stderr.splitlines()
                if "skipping damaged checkpoint" in line]
-    assert skipped == ["--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (pytorch_model_fsdp_0/"
-                       "__1_0.distcp differs from its sha256 when saved); resuming from "
-                       f"{root / 'resized' / 'step_2'}"], runs["resized"].stderr
+    expected = ("--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (pytorch_model_fsdp_0/__1_0.distcp "
+                f"differs from its sha256 when saved); resuming from {root / 'resized' / 'step_2'}")
+    assert skipped == [expected], runs["resized"].stderr
     assert r["samples_seen"] == 2 * N
     before = [i for rank in range(2) for i in fetched(root / "samples_fsdp", rank)[:2 * 24]]
     after = [fetched(root / "samples_resized", rank) for rank in range(3)]
@@ -175,11 +199,11 @@ def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(mnist_runs
     ConvNet().load_state_dict(load_file(tmp_path / "model.safetensors"))  # strict: BatchNorm statistics too
 
 
-def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(mnist_runs, tmp_path):
+def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(launched, tmp_path):
     """The manifest lists and hashes every process's .distcp file: one flipped byte in one shard of the optimizer
     makes the checkpoint damaged; named, it is refused in one line naming the file and the newest good one.
     ('latest' passing over one: the 3-process resume above.)"""
-    root, _ = mnist_runs
+    root, _ = launched
     for checkpoint in ("step_2", "step_4"):
         shutil.copytree(root / "fsdp" / checkpoint, tmp_path / checkpoint)
     assert checkpoints.check_checkpoint(tmp_path / "step_4") is None
@@ -191,55 +215,43 @@ def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(mnist_runs, tmp
     assert "\n" not in str(refused.value)
 
 
-def test_onnx_export_of_an_fsdp_run_matches_pytorch(mnist_runs, tmp_path):
+def test_onnx_export_of_an_fsdp_run_matches_pytorch(launched):
     """scripts/predict.py --export onnx on the FSDP run's folder: onnxruntime's logits on the run's digits are those
     of the plain ConvNet loaded with the run's model.safetensors (as tests/test_predict.py checks a DDP run's)."""
-    if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime")):
+    if not all(importlib.util.find_spec(name) for name in EXPORT_PACKAGES):
         skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
     import onnxruntime
 
-    root, _ = mnist_runs
-    path = tmp_path / "fsdp.onnx"
-    proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", root / "fsdp", "--data_dir", root / "data", "--export",
-                "onnx", "--export_file", path, "--batch_size", "16"])
-    assert f"Wrote {path}" in proc.stdout
+    root, runs = launched
+    assert f"Wrote {root / 'fsdp.onnx'}" in runs["export"].stdout
     digits = load_mnist_idx(root / "data")["test"][0][:16].unsqueeze(1)  # uint8 (16, 1, 28, 28), as predict.py reads
     model = ConvNet()
     model.load_state_dict(load_file(root / "fsdp" / "model.safetensors"))
     with torch.no_grad():
         expected = model.eval()(normalise_mnist(digits)).numpy()
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = onnxruntime.InferenceSession(str(root / "fsdp.onnx"), providers=["CPUExecutionProvider"])
     logits = session.run(None, {"images": digits.numpy()})[0]
     assert logits.shape == (16, 10) and abs(logits - expected).max() <= 1e-4, abs(logits - expected).max()
 
 
-def test_image_classifier_fsdp_on_3_resumes_on_2_and_predicts(tmp_path):
+def test_image_classifier_fsdp_on_3_resumes_on_2_and_predicts(launched):
     """A torchvision ResNet-18 (32 px, 4 classes of generated images) under FSDP2 with --gradient_checkpointing on 3
     processes, resumed mid-epoch on 2; the whole weights load into a plain torchvision resnet18, and
-    scripts/predict.py reads the run."""
-    data = make_split_image_folder(tmp_path / "data", train_per_class=9, val_per_class=5)
-    common = ["--data_dir", data, "--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer",
-              "adamw", "--num_workers", "0", "--epochs", "1", "--gradient_checkpointing"]
-    # 36 images: 3 x 4 = 2 x 6 = 12 per step, 3 steps; step_2 is the one checkpoint
-    launch_fsdp(CLASSIFIER, [*common, "--batch_size", "4", "--output_dir", tmp_path / "on3", "--checkpointing_steps",
-                             "2"], 3)
-    saved = results(tmp_path / "on3")
+    scripts/predict.py reads the 3-process run."""
+    root, _ = launched
+    saved = results(root / "on3")
     assert_sharded(saved, 3)
     assert saved["eval_samples"] == 20
-    assert_dcp_checkpoint(tmp_path / "on3" / "step_2", 3)
-    shutil.copytree(tmp_path / "on3" / "step_2", tmp_path / "on2" / "step_2")
-    launch_fsdp(CLASSIFIER, [*common, "--batch_size", "6", "--output_dir", tmp_path / "on2", "--resume_from_checkpoint",
-                             "latest"], 2)
-    r = results(tmp_path / "on2")
+    assert_dcp_checkpoint(root / "on3" / "step_2", 3)
+    r = results(root / "on2")
     assert_sharded(r, 2)
-    assert r["global_step"] == 3 and r["samples_seen"] == saved["samples_seen"] == 36 and r["eval_samples"] == 20
-    weights = load_file(tmp_path / "on2" / "model.safetensors")
+    assert r["resumed_from"].endswith("step_2") and r["global_step"] == saved["global_step"] == 3
+    assert r["samples_seen"] == saved["samples_seen"] == 36 and r["eval_samples"] == 20
+    weights = load_file(root / "on2" / "model.safetensors")
     plain = torchvision.models.resnet18(num_classes=4)
     plain.load_state_dict(weights)  # strict: the plain torchvision names, nothing sharded or wrapped
-    predictions = tmp_path / "predictions.csv"
-    run([sys.executable, PREDICT, "--cpu", "--model_dir", tmp_path / "on2", "--data_dir", data, "--output_file",
-         predictions, "--num_workers", "0"])
-    assert len(predictions.read_text().splitlines()) == 1 + 20
+    # scripts/predict.py on the 3-process run's folder: a row for each of the 20 evaluation images
+    assert len((root / "predictions.csv").read_text().splitlines()) == 1 + 20
 
 
 # ---------------------------------------------------------------- refusals, in this process (no launch)
