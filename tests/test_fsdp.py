@@ -302,3 +302,20 @@ def test_auto_find_batch_size_is_refused_under_fsdp():
 
     with pytest.raises(UserError, match="--auto_find_batch_size .* under FSDP"):
         fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None)
+
+
+def test_the_reason_bf16_is_refused_on_cpu_processes_still_holds():
+    """utils/fsdp.BF16_ON_CPU's reason, checked where it lives (docs/fsdp.md, "Flags under FSDP"): for bf16 Accelerate
+    gives FSDP2 a policy that casts every parameter, BatchNorm's weight and bias too, to bf16, and torch's CPU
+    batch_norm refuses bf16 weights beside its fp32 running statistics. When this fails, Accelerate or torch changed:
+    try --mixed_precision bf16 under FSDP on CPU processes again."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    plugin.set_mixed_precision("bf16")  # what AcceleratorState does for --mixed_precision bf16 under FSDP
+    assert plugin.mixed_precision_policy.param_dtype == torch.bfloat16
+    weight, bias = torch.ones(4, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.bfloat16)
+    running_mean, running_var = torch.zeros(4), torch.ones(4)  # buffers: FSDP2 leaves them in fp32
+    activations = torch.randn(2, 4, 3, 3, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
+        torch.nn.functional.batch_norm(activations, running_mean, running_var, weight, bias, training=True)
