@@ -164,7 +164,8 @@ def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(dat
 def sigint_as_a_terminal_leaves_it() -> None:
     """Popen's preexec_fn for a job a test sends Ctrl-C (os.killpg(pid, SIGINT)): SIGINT at its default, as a terminal
     starts a foreground job. A suite started by a script with `&` (a shell without job control) runs with SIGINT
-    ignored; an ignored signal stays ignored through exec, Python keeps it so, and the Ctrl-C would do nothing."""
+    ignored; an ignored signal stays ignored through exec, Python keeps it so, and the Ctrl-C would do nothing.
+    (preexec_fn, unsafe with threads where it takes a lock: this one only calls sigaction.)"""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -185,14 +186,25 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
             "5", "--resume_from_checkpoint", "latest"]  # 100 epochs: it cannot finish before the signals land
     jobs = []
 
-    def start(*more):
-        jobs.append(launch_in_background([*args, *more], start_new_session=True,
-                                         preexec_fn=sigint_as_a_terminal_leaves_it))
+    def start(*more) -> subprocess.Popen:
+        """accelerate launch, its output into a file, not a pipe: nothing must drain it while the test waits."""
+        log = tmp_path / f"launch_{len(jobs)}.log"
+        with log.open("w") as output:
+            jobs.append(subprocess.Popen([str(c) for c in [*launcher_args(1), TRAIN_MNIST, "--cpu", *args, *more]],
+                                         cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=sigint_as_a_terminal_leaves_it))  # noqa: PLW1509
+        jobs[-1].log = log
         return jobs[-1]
 
     def trainer(job) -> psutil.Process:
         (child,) = psutil.Process(job.pid).children()  # the launcher runs the training as its one child
         return child
+
+    def output_at_the_end(job, training: psutil.Process, what: str) -> str:
+        """The job's output once the launcher and the training it ran have both ended."""
+        job.wait(timeout=60)
+        assert psutil.wait_procs([training], timeout=30)[1] == [], f"the training outlived {what}"
+        return job.log.read_text(errors="replace")
 
     def newest_step() -> int:
         return max(int(path.name[len("step_"):]) for path in out.glob("step_*"))
@@ -209,7 +221,8 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
         first = start()  # takes the folder all the same
         deadline = time.monotonic() + 120
         while holder_pid(out) in (None, killed.pid):  # until the first training's main process holds it
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+            assert first.poll() is None, f"the first training ended: {first.log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"after 120 s, {out / 'run.lock'} names no training"
             time.sleep(0.02)
         holder = trainer(first)
         assert holder_pid(out) == holder.pid
@@ -222,9 +235,8 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
 
         wait_for_path(out / "step_5", first)
         os.killpg(first.pid, signal.SIGINT)  # Ctrl-C
-        output, _ = first.communicate(timeout=120)
+        output = output_at_the_end(first, holder, "Ctrl-C")
         assert first.returncode != 0 and f'File "{REPO}' not in output, output[-6000:]
-        assert psutil.wait_procs([holder], timeout=30)[1] == [], "the training outlived Ctrl-C"
         interrupted_at = newest_step()
         said = re.findall(r"^Interrupted \(Ctrl-C\): no checkpoint saved at the interrupt \(--save_on_signal saves "
                           r"one\); the last one is (\S+): continue from it with --resume_from_checkpoint latest$",
@@ -236,10 +248,9 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
         wait_for_path(out / f"step_{(interrupted_at // 5 + 1) * 5}", third)
         training = trainer(third)
         third.send_signal(signal.SIGTERM)  # to the launcher alone: `kill PID`, a container's stop
-        output, _ = third.communicate(timeout=120)
+        output = output_at_the_end(third, training, "its launcher")
         stopped = STOPPED_BY_SIGNAL.search(output)
         assert stopped and f"Resumed from {out / f'step_{interrupted_at}'}" in output, output[-3000:]
-        assert psutil.wait_procs([training], timeout=30)[1] == [], "the training outlived its launcher"
         assert int(stopped[1]) > interrupted_at and stopped[2] == str(out / f"step_{newest_step()}")
         assert not (out / "results.json").exists()
     finally:
