@@ -213,9 +213,10 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
     held = multiprocessing.get_context("fork").Event()
     killed = multiprocessing.get_context("fork").Process(target=hold_the_lock, args=(out, held))
     killed.start()
-    assert held.wait(timeout=30)
+    held_it = held.wait(timeout=30)
     killed.kill()
     killed.join()
+    assert held_it, "the holder never took the lock"
     assert (out / "run.lock").read_text().startswith(f"pid {killed.pid} on "), "the holder's name, left behind"
     try:
         first = start()  # takes the folder all the same
