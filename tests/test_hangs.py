@@ -7,6 +7,7 @@ import signal
 import socket
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -130,5 +131,21 @@ def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                                "5000ms for recv operation to complete")
     for script in ("train_mnist.py", "train_image_classifier.py"):
-        main_block = (REPO / "scripts" / script).read_text().split('if __name__ == "__main__":')[1]
-        assert "with collective_timeouts_named(args):" in main_block and "main(args)" in main_block, script
+        assert main_runs_inside_collective_timeouts_named(REPO / "scripts" / script), script
+
+
+def main_runs_inside_collective_timeouts_named(script) -> bool:
+    """The script's `if __name__ == "__main__":` block calls main(args) inside a `with` that holds
+    collective_timeouts_named(args) (alone or beside other context managers, as one_training_at_a_time)."""
+    import ast
+
+    def is_call(node, name) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+                and [ast.unparse(arg) for arg in node.args] == ["args"])
+
+    (main_block,) = [node for node in ast.parse(Path(script).read_text()).body
+                     if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"]
+    return any(isinstance(node, ast.With) and any(is_call(item.context_expr, "collective_timeouts_named")
+                                                  for item in node.items)
+               and any(is_call(inner, "main") for statement in node.body for inner in ast.walk(statement))
+               for node in ast.walk(main_block))

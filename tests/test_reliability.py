@@ -1,6 +1,7 @@
 """Jobs die: a killed rank, an interrupted save, a diverging loss. What survives, and how."""
 
 import json
+import multiprocessing
 import os
 import re
 import shutil
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -30,6 +32,7 @@ from helpers import (
 
 from utils.errors import UserError
 from utils.launch_checks import check_enough_devices
+from utils.run_folder import one_training_at_a_time
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
 
@@ -131,7 +134,7 @@ def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(dat
     the same step and saves it, no traceback through our code, and the resumed run is exact."""
     out = tmp_path / "out"
     job = launch_in_background(["--data_dir", data, "--output_dir", out, *COMMON, "--save_on_signal"], num_processes=2,
-                               start_new_session=True)
+                               start_new_session=True, preexec_fn=sigint_as_a_terminal_leaves_it)
     try:
         wait_for_path(out / "step_10", job)
         os.killpg(job.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground process group
@@ -158,63 +161,110 @@ def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(dat
         assert resumed[key] == reference[key], key
 
 
+def sigint_as_a_terminal_leaves_it() -> None:
+    """Popen's preexec_fn for a job a test sends Ctrl-C (os.killpg(pid, SIGINT)): SIGINT at its default, as a terminal
+    starts a foreground job. A suite started by a script with `&` (a shell without job control) runs with SIGINT
+    ignored; an ignored signal stays ignored through exec, Python keeps it so, and the Ctrl-C would do nothing.
+    (preexec_fn, unsafe with threads where it takes a lock: this one only calls sigaction.)"""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def hold_the_lock(output_dir, held) -> None:
+    """In a child process: takes --output_dir's lock as a training's main process does, then waits to be killed."""
+    with one_training_at_a_time(output_dir, eval_only=False):
+        held.set()
+        time.sleep(600)
+
+
 def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_says_what_ctrl_c_saved(data, tmp_path):
-    """One process, as `accelerate launch` runs it itself (no torchrun). A second training into a folder in use is
-    refused, naming the first; SIGKILL leaves no lock behind; SIGTERM to the launcher alone (which forwards no signal)
-    stops the training with a checkpoint; Ctrl-C without --save_on_signal says in one line where the last one is."""
+    """One process, as `accelerate launch` runs it itself (no torchrun). A lock holder SIGKILLed leaves no lock behind;
+    a second training into a folder in use is refused, naming the first; Ctrl-C without --save_on_signal says in one
+    line where the last checkpoint is; SIGTERM to the launcher alone (which forwards no signal) stops the training
+    with a checkpoint."""
     out = tmp_path / "out"
     args = ["--data_dir", data, "--output_dir", out, "--epochs", "100", "--batch_size", "16", "--checkpointing_steps",
             "5", "--resume_from_checkpoint", "latest"]  # 100 epochs: it cannot finish before the signals land
     jobs = []
 
-    def start(*more):
-        jobs.append(launch_in_background([*args, *more], start_new_session=True))
+    def start(*more) -> subprocess.Popen:
+        """accelerate launch, its output into a file, not a pipe: nothing must drain it while the test waits."""
+        log = tmp_path / f"launch_{len(jobs)}.log"
+        with log.open("w") as output:
+            jobs.append(subprocess.Popen([str(c) for c in [*launcher_args(1), TRAIN_MNIST, "--cpu", *args, *more]],
+                                         cwd=REPO, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=sigint_as_a_terminal_leaves_it))  # noqa: PLW1509
+        jobs[-1].log = log
         return jobs[-1]
 
     def trainer(job) -> psutil.Process:
         (child,) = psutil.Process(job.pid).children()  # the launcher runs the training as its one child
         return child
 
+    def output_at_the_end(job, training: psutil.Process, what: str) -> str:
+        """The job's output once the launcher and the training it ran have both ended."""
+        job.wait(timeout=60)
+        assert psutil.wait_procs([training], timeout=30)[1] == [], f"the training outlived {what}"
+        return job.log.read_text(errors="replace")
+
     def newest_step() -> int:
         return max(int(path.name[len("step_"):]) for path in out.glob("step_*"))
 
+    # a fork of this process (no imports to wait for) holds the lock, SIGKILLed: no handler runs, the kernel drops it
+    held = multiprocessing.get_context("fork").Event()
+    killed = multiprocessing.get_context("fork").Process(target=hold_the_lock, args=(out, held))
+    killed.start()
+    held_it = held.wait(timeout=30)
+    killed.kill()
+    killed.join()
+    assert held_it, "the holder never took the lock"
+    assert (out / "run.lock").read_text().startswith(f"pid {killed.pid} on "), "the holder's name, left behind"
     try:
-        first = start()
-        wait_for_path(out / "step_5", first)
+        first = start()  # takes the folder all the same
+        deadline = time.monotonic() + 120
+        while holder_pid(out) in (None, killed.pid):  # until the first training's main process holds it
+            assert first.poll() is None, f"the first training ended: {first.log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"after 120 s, {out / 'run.lock'} names no training"
+            time.sleep(0.02)
         holder = trainer(first)
-        second = launch(args, check=False)
+        assert holder_pid(out) == holder.pid
+        # a restart while the first runs: the script itself (the lock is the same under a launcher, which would
+        # only add its own start-up)
+        second = run([sys.executable, TRAIN_MNIST, "--cpu", *args], check=False)
         assert_clean_user_error(second, f"--output_dir {out} is in use by another training",
                                 f"pid {holder.pid} on {socket.gethostname()}")
         assert "Resumed from" not in second.stdout + second.stderr and not (out / "results.json").exists()
 
-        holder.kill()  # SIGKILL: no handler runs, the kernel drops the lock
-        first.communicate(timeout=60)
-        killed_at = newest_step()
-        third = start("--save_on_signal")
-        wait_for_path(out / f"step_{killed_at + 5}", third)
-        training = trainer(third)
-        third.send_signal(signal.SIGTERM)  # to the launcher alone: `kill PID`, a container's stop
-        output, _ = third.communicate(timeout=120)
-        stopped = STOPPED_BY_SIGNAL.search(output)
-        assert stopped and f"Resumed from {out / f'step_{killed_at}'}" in output, output[-3000:]
-        assert psutil.wait_procs([training], timeout=30)[1] == [], "the training outlived its launcher"
-        assert int(stopped[1]) > killed_at + 5 - 1 and not (out / "results.json").exists()
-
-        fourth = start()
-        wait_for_path(out / f"step_{(newest_step() // 5 + 1) * 5}", fourth)
-        os.killpg(fourth.pid, signal.SIGINT)  # Ctrl-C
-        output, _ = fourth.communicate(timeout=120)
-        assert fourth.returncode != 0 and f'File "{REPO}' not in output, output[-6000:]
+        wait_for_path(out / "step_5", first)
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C
+        output = output_at_the_end(first, holder, "Ctrl-C")
+        assert first.returncode != 0 and f'File "{REPO}' not in output, output[-6000:]
+        interrupted_at = newest_step()
         said = re.findall(r"^Interrupted \(Ctrl-C\): no checkpoint saved at the interrupt \(--save_on_signal saves "
                           r"one\); the last one is (\S+): continue from it with --resume_from_checkpoint latest$",
-                          output, flags=re.M)
-        assert said == [str(out / f"step_{newest_step()}")], output[-3000:]
+                          output, flags=re.MULTILINE)
+        assert said == [str(out / f"step_{interrupted_at}")], output[-3000:]
+        assert not (out / "results.json").exists()
+
+        third = start("--save_on_signal")
+        wait_for_path(out / f"step_{(interrupted_at // 5 + 1) * 5}", third)
+        training = trainer(third)
+        third.send_signal(signal.SIGTERM)  # to the launcher alone: `kill PID`, a container's stop
+        output = output_at_the_end(third, training, "its launcher")
+        stopped = STOPPED_BY_SIGNAL.search(output)
+        assert stopped and f"Resumed from {out / f'step_{interrupted_at}'}" in output, output[-3000:]
+        assert int(stopped[1]) > interrupted_at and stopped[2] == str(out / f"step_{newest_step()}")
         assert not (out / "results.json").exists()
     finally:
         for job in jobs:
             if job.poll() is None:
                 os.killpg(job.pid, signal.SIGKILL)
                 job.wait()
+
+
+def holder_pid(output_dir) -> int | None:
+    """The pid that OUTPUT_DIR/run.lock names ("pid P on HOST since TIME"), or None while it names none."""
+    found = re.match(r"pid (\d+) on ", (Path(output_dir) / "run.lock").read_text())
+    return int(found[1]) if found else None
 
 
 def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, tmp_path):

@@ -73,9 +73,20 @@ def stop_with_the_launcher() -> None:
         return
     if not is_accelerate_launch(command):
         return  # a shell, nohup, srun, a test: their death must not end the training
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and \
-            os.getppid() != launcher:  # it died before the prctl: as if after
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell made it ignored
+        signal.signal(signal.SIGINT, _interrupted_before_the_launcher_ends)
+    if os.getppid() != launcher:  # it died before the prctl: as if after
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _interrupted_before_the_launcher_ends(signum, frame):
+    """Ctrl-C reaches the launcher too, which exits a moment later (Popen.wait gives its child 0.25 s) and so sends
+    this process SIGTERM: ignored from now on, so that the KeyboardInterrupt gets to say what was saved
+    (exit_interrupted) instead of dying half-way. (--save_on_signal's handlers replace this one.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def is_accelerate_launch(command: list) -> bool:
