@@ -36,23 +36,27 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.batch_size import fit_batch_size  # noqa: E402
-from utils.checkpoints import (  # noqa: E402
-    TrainingProgress,
-    accumulation_keeping,
-    batches_to_skip,
-    epochs_to_train,
-    gather_running_loss,
-    load_checkpoint,
-    read_training_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoint_due,
+from utils.data.image_data import (  # noqa: E402
+    TransformedImages,
+    autocast_dtype,
+    collate_images,
+    default_hflip,
+    device_normaliser,
+    eval_transform,
+    load_image_datasets,
+    resolve_augmentation,
+    train_transform,
 )
-from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
-from utils.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.data.mixing import MixedImages  # noqa: E402
+from utils.data.streaming import (  # noqa: E402
+    StreamedImages,
+    StreamLoader,
+    epoch_batches,
+    load_image_stream,
+    stream_for_this_process,
+)
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import (  # noqa: E402
+from utils.launch.flags import (  # noqa: E402
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -64,53 +68,49 @@ from utils.flags import (  # noqa: E402
     probability,
     tracker_config,
 )
-from utils.fsdp import shard_on_cpu  # noqa: E402
-from utils.hangs import collective_timeouts_named  # noqa: E402
-from utils.image_data import (  # noqa: E402
-    TransformedImages,
-    autocast_dtype,
-    collate_images,
-    default_hflip,
-    device_normaliser,
-    eval_transform,
-    load_image_datasets,
-    resolve_augmentation,
-    train_transform,
-)
-from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
-from utils.mixing import MixedImages  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
-from utils.optim import (  # noqa: E402
+from utils.report.profiling import StepProfiler  # noqa: E402
+from utils.report.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
+from utils.run.batch_size import fit_batch_size  # noqa: E402
+from utils.run.checkpoints import (  # noqa: E402
+    TrainingProgress,
+    accumulation_keeping,
+    batches_to_skip,
+    epochs_to_train,
+    gather_running_loss,
+    load_checkpoint,
+    read_training_state,
+    resolve_checkpoint,
+    save_checkpoint,
+    step_checkpoint_due,
+)
+from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.hangs import collective_timeouts_named  # noqa: E402
+from utils.run.optim import (  # noqa: E402
     DEFAULT_LEARNING_RATE,
     DEFAULT_WEIGHT_DECAY,
     build_lr_scheduler,
     build_optimizer,
 )
-from utils.profiling import StepProfiler  # noqa: E402
-from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
-from utils.run_folder import (  # noqa: E402
+from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.run_folder import (  # noqa: E402
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.signals import (  # noqa: E402
+from utils.run.signals import (  # noqa: E402
     StopSignal,
     exit_interrupted,
     ignore_stop_signals,
     stop_requested,
     stop_with_the_launcher,
 )
-from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
-from utils.streaming import (  # noqa: E402
-    StreamedImages,
-    StreamLoader,
-    epoch_batches,
-    load_image_stream,
-    stream_for_this_process,
-)
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -233,7 +233,7 @@ def check_streaming_flags(parser, args) -> None:
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (--epochs, --max_steps and the process count can):
     recorded
-    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/checkpoints.py)."""
     return {
         "script": Path(__file__).name,
         "model": args.model, "pretrained": args.pretrained, "stem": args.stem,
@@ -282,7 +282,7 @@ def build_datasets(args, accelerator, progress):
 
 
 def build_stream_datasets(args, accelerator, progress):
-    """--streaming: this process's part of the training stream, shuffled per epoch (utils/streaming.py), and the
+    """--streaming: this process's part of the training stream, shuffled per epoch (utils/data/streaming.py), and the
     evaluation split in memory (map-style: evaluated exactly as without --streaming)."""
     num_processes = accelerator.num_processes  # [accelerate] they split the stream: a checkpoint's epoch goes on
     if progress.global_step and progress.num_processes != num_processes:  # on as many processes only
@@ -310,7 +310,7 @@ def training_loader(args, accelerator, train_dataset):
 def steps_per_epoch_of(progress, train_dataset, args) -> int:
     """Every epoch trains on whole global batches only, the same number on any number of processes (so that a run
     resumed on another number keeps its schedule); the rest of the shuffle is left out. A stream's epoch ends where a
-    process's part runs out (utils/streaming.py), unknown beforehand: --max_steps stands for its length."""
+    process's part runs out (utils/data/streaming.py), unknown beforehand: --max_steps stands for its length."""
     if args.streaming:
         return args.max_steps
     return progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
@@ -384,7 +384,7 @@ def evaluate(accelerator, model, dataloader, metric, model_input, ema=None):
         "eval_loss": losses.mean().item(),
         "eval_samples": losses.numel(),
     }
-    # [collective] --model_ema: this evaluation of the moving average too (utils/ema.py)
+    # [collective] --model_ema: this evaluation of the moving average too (utils/run/ema.py)
     return scores | evaluate_model_ema(accelerator, ema, evaluate, dataloader, metric, model_input)
 
 
@@ -413,7 +413,7 @@ def main(args):
         kwargs_handlers=[ddp_options(args), InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/fsdp.py)
+    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
@@ -458,7 +458,7 @@ def main(args):
 
     # shared: resume, then the first write
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/ema.py)
+    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/run/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
     # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
@@ -476,7 +476,7 @@ def main(args):
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/steps.py)
+    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, model_input, ema)
     events = TrainingEvents(plan, evaluation, model, ema, args, results, running_loss, meter, lr_scheduler)
 
@@ -489,7 +489,7 @@ def main(args):
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
             skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
             # [collective] a loader that starts after the batches the checkpoint's run trained in this epoch; a
-            # stream's ends where a process's part does, on every process (utils/streaming.py)
+            # stream's ends where a process's part does, on every process (utils/data/streaming.py)
             batches = epoch_batches(accelerator, train_dataloader, skip, args.gradient_accumulation_steps)
             meter.start()
             for images, labels in batches:

@@ -35,8 +35,23 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.batch_size import fit_batch_size  # noqa: E402
-from utils.checkpoints import (  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
+from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.launch.flags import (  # noqa: E402
+    add_lr_scheduler_flags,
+    add_model_ema_flags,
+    add_step_flags,
+    build_mnist_parser,
+    check_flag_combinations,
+    tracker_config,
+)
+from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
+from utils.metrics import load_metric  # noqa: E402
+from utils.models import ConvNet  # noqa: E402
+from utils.report.profiling import StepProfiler  # noqa: E402
+from utils.report.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
+from utils.run.batch_size import fit_batch_size  # noqa: E402
+from utils.run.checkpoints import (  # noqa: E402
     TrainingProgress,
     accumulation_keeping,
     batches_to_skip,
@@ -48,34 +63,19 @@ from utils.checkpoints import (  # noqa: E402
     save_checkpoint,
     step_checkpoint_due,
 )
-from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import (  # noqa: E402
-    add_lr_scheduler_flags,
-    add_model_ema_flags,
-    add_step_flags,
-    build_mnist_parser,
-    check_flag_combinations,
-    tracker_config,
-)
-from utils.fsdp import shard_on_cpu  # noqa: E402
-from utils.hangs import collective_timeouts_named  # noqa: E402
-from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.metrics import load_metric  # noqa: E402
-from utils.models import ConvNet  # noqa: E402
-from utils.optim import build_lr_scheduler  # noqa: E402
-from utils.profiling import StepProfiler  # noqa: E402
-from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
-from utils.run_folder import (  # noqa: E402
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.hangs import collective_timeouts_named  # noqa: E402
+from utils.run.optim import build_lr_scheduler  # noqa: E402
+from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.run_folder import (  # noqa: E402
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
-from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
+from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -92,7 +92,7 @@ def parse_args(argv=None):
 
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (the process count can): recorded as run.json
-    with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    with its checkpoints and compared on --resume_from_checkpoint (utils/run/checkpoints.py)."""
     return {
         "script": Path(__file__).name,
         # OneCycleLR spans exactly --epochs (or --max_steps), and a resume restores its length with its state
@@ -131,7 +131,7 @@ def evaluate(accelerator, model, dataloader, metric, ema=None):
         "eval_loss": losses.mean().item(),
         "eval_samples": losses.numel(),
     }
-    # [collective] --model_ema: this evaluation of the moving average too (utils/ema.py)
+    # [collective] --model_ema: this evaluation of the moving average too (utils/run/ema.py)
     return scores | evaluate_model_ema(accelerator, ema, evaluate, dataloader, metric)
 
 
@@ -158,7 +158,7 @@ def main(args):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])  # --ddp_timeout
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/fsdp.py)
+    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
@@ -204,7 +204,7 @@ def main(args):
 
     # shared: resume, then the first write
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/ema.py)
+    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/run/ema.py)
     load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
     # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
@@ -222,7 +222,7 @@ def main(args):
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/steps.py)
+    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, ema)
     events = TrainingEvents(plan, evaluation, model, ema, args, results, running_loss, meter, lr_scheduler)
 

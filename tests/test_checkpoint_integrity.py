@@ -11,9 +11,9 @@ import pytest
 from accelerate import PartialState
 from helpers import REPO, assert_clean_user_error, launch, skip_or_fail_in_ci
 
-import utils.checkpoints as checkpoints
-from utils.checkpoints import MANIFEST, TrainingProgress, save_checkpoint
+import utils.run.checkpoints as checkpoints
 from utils.errors import UserError
+from utils.run.checkpoints import MANIFEST, TrainingProgress, save_checkpoint
 
 # 64 samples / 16 per batch: 4 optimizer steps in the one epoch. A checkpoint is about 0.37 MB
 # (optimizer.bin 241,361 bytes, model.safetensors 117,824, random_states_0.pkl 14,497, the rest under 4 kB).

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import REPO, error_lines, launch_in_background, make_synthetic_mnist, training_processes, wait_for_path
 
-from utils.hangs import collective_failure
+from utils.run.hangs import collective_failure
 
 # Once a process has failed, torchrun's agent sends the others SIGTERM and, this many seconds later,
 # SIGKILL (a SIGSTOPped process only dies of that). Fixed in torch 2.14's agent (_stop_workers):
@@ -121,7 +121,7 @@ def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
     import pytest
 
     from utils.errors import UserError
-    from utils.hangs import collective_timeouts_named
+    from utils.run.hangs import collective_timeouts_named
 
     args = argparse.Namespace(ddp_timeout=5)
     with pytest.raises(UserError, match=r"timed out after --ddp_timeout 5 s, outside the training loop \(starting, "

@@ -1,4 +1,4 @@
-"""The image input pipeline (utils/image_data.py): the workers decode file bytes straight into uint8 tensors and
+"""The image input pipeline (utils/data/image_data.py): the workers decode file bytes straight into uint8 tensors and
 crop, resize and flip them as uint8; the device normalises. Decoding must give PIL's pixels in every image mode,
 and the device-side normalisation what the float pipeline gave, in one copy."""
 
@@ -11,8 +11,7 @@ import torch
 from PIL import ExifTags, Image
 from torchvision.transforms import v2
 
-from utils.errors import UserError
-from utils.image_data import (
+from utils.data.image_data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     TransformedImages,
@@ -26,6 +25,7 @@ from utils.image_data import (
     reduction_for,
     train_transform,
 )
+from utils.errors import UserError
 
 RNG = np.random.default_rng(0)
 PHOTO = Image.fromarray(RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8))

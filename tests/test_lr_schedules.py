@@ -11,8 +11,8 @@ import torch
 from helpers import REPO, launch, load_script, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
-from utils.flags import LR_SCHEDULER_TYPES
-from utils.optim import build_lr_scheduler, build_optimizer
+from utils.launch.flags import LR_SCHEDULER_TYPES
+from utils.run.optim import build_lr_scheduler, build_optimizer
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PEAK, TOTAL = 0.5, 40

@@ -26,12 +26,12 @@ from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
 
-from utils.data import load_mnist_idx, to_tensor_dataset
-from utils.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
+from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
 from utils.models import ConvNet
-from utils.predictions import EMA_WEIGHTS, read_trained_run
-from utils.run_folder import check_output_dir
+from utils.report.predictions import EMA_WEIGHTS, read_trained_run
+from utils.run.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
+from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
@@ -151,7 +151,7 @@ def test_every_process_holds_the_same_average_updated_once_per_optimizer_step(wi
     assert r["ema_updates"] == STEPS  # not once per batch: 2 batches per step
     assert (r["model_ema_decay"], r["model_ema_warmup"]) == (0.9998, True)
     assert len(r["ema_parameter_fingerprints"]) == 2 and len(set(r["ema_parameter_fingerprints"])) == 1
-    assert len(set(r["ema_buffer_fingerprints"])) == 1  # BatchNorm statistics: rank 0's on both, see utils/ema.py
+    assert len(set(r["ema_buffer_fingerprints"])) == 1  # BatchNorm statistics: rank 0's on both, see utils/run/ema.py
     assert r["ema_parameter_fingerprints"] != r["parameter_fingerprints"]  # an average, not the last weights
     assert 0 < r["eval_ema_loss"] != r["eval_loss"] and 0 < r["eval_ema_accuracy"] <= 1
     assert "averages over about" not in log  # no warning: the warmup suits a 20-step run

@@ -29,7 +29,7 @@ from helpers import (
 )
 
 from utils.errors import UserError
-from utils.launch_checks import check_enough_devices
+from utils.launch.launch_checks import check_enough_devices
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
 

@@ -11,9 +11,9 @@ import pytest
 from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, results, snapshot
 from image_data import make_split_image_folder
 
-from utils.checkpoints import resolve_checkpoint
 from utils.errors import UserError
-from utils.run_folder import check_output_dir
+from utils.run.checkpoints import resolve_checkpoint
+from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 TINY = ["--epochs", "1", "--max_train_samples", "64", "--max_eval_samples", "64", "--batch_size", "16"]
@@ -174,7 +174,7 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
 
 
 def test_overwrite_output_dir_and_resume_are_one_line_together(capsys):
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
     for checkpoint in ("latest", "outputs/step_4"):  # 'latest', or a checkpoint by name

@@ -15,9 +15,9 @@ import pytest
 from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
 
-from utils.checkpoints import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
-from utils.flags import HIGHER_IS_BETTER
-from utils.steps import StepPlan
+from utils.launch.flags import HIGHER_IS_BETTER
+from utils.run.checkpoints import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.steps import StepPlan
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 # 64 digits, 2 processes x 8: 4 optimizer steps of 16 samples per epoch; 7 steps end 3 steps into the second epoch

@@ -16,9 +16,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from utils.errors import UserError
-from utils.results import write_json_atomically
+from utils.report.results import write_json_atomically
 
-# Shared flags (utils/flags.py) that only scripts/train_mnist.py implements: the baselines and
+# Shared flags (utils/launch/flags.py) that only scripts/train_mnist.py implements: the baselines and
 # scripts/benchmark_train.py refuse them rather than ignore them. (--ddp_timeout, which they keep,
 # has no collective to time out on one process, as in train_mnist.py.)
 FLAGS_THE_BASELINES_LACK = {

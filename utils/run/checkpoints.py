@@ -6,7 +6,7 @@ that is renamed into place. An interrupted save leaves only
 a `.tmp-*` folder, which `find_latest_checkpoint` never returns.
 
 Each checkpoint also carries `run.json`, what defines the run that saved it (model, data, seed,
-schedule, batch geometry), so that one --output_dir never mixes two runs: see utils/run_folder.py.
+schedule, batch geometry), so that one --output_dir never mixes two runs: see utils/run/run_folder.py.
 
 And `manifest.json`, the size and sha256 of every other file as saved: a resume checks them ('latest'
 skips a damaged checkpoint, a named one is refused), and --checkpoints_total_limit keeps the newest
@@ -31,9 +31,9 @@ from accelerate.utils import broadcast_object_list, gather_object
 from safetensors.torch import load_file
 
 from utils.errors import UserError
-from utils.flags import HIGHER_IS_BETTER
-from utils.fsdp import complete_fsdp_model
-from utils.results import RUN_RECORD, write_json_atomically
+from utils.launch.flags import HIGHER_IS_BETTER
+from utils.report.results import RUN_RECORD, write_json_atomically
+from utils.run.fsdp import complete_fsdp_model
 
 TRAINING_STATE = "training_state.json"
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
@@ -352,7 +352,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     one clear line when the folder does not fit the run.
     The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
-    complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (utils/fsdp.py)
+    complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (utils/run/fsdp.py)
     if checkpoint is None:
         if args.resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)

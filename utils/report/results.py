@@ -14,11 +14,11 @@ import torch
 from accelerate.utils import is_compiled_module
 
 from utils.errors import UserError
-from utils.fsdp import parameter_bytes
+from utils.run.fsdp import parameter_bytes
 
-RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/checkpoints.py)
+RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/run/checkpoints.py)
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
-# run.json keys a resume may change (utils/run_folder.py start_output_dir records them beside the run's own; epochs,
+# run.json keys a resume may change (utils/run/run_folder.py start_output_dir records them beside the run's own; epochs,
 # max_steps: train_image_classifier.py only); best/ keeps those of its time
 RESUMABLE_KEYS = {"epochs", "max_steps", "early_stopping_patience", "num_processes", "batch_size_per_process",
                   "gradient_accumulation_steps", "global_batch_size"}
@@ -108,7 +108,7 @@ class RunningLoss:
 
 def accuracy_credit(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per sample, the target's weight of the predicted class (the logits' largest): with class ids 1 or 0, plain
-    accuracy; with Mixup's or CutMix's class weights (utils/mixing.py) lam for the image's class, 1 - lam for its
+    accuracy; with Mixup's or CutMix's class weights (utils/data/mixing.py) lam for the image's class, 1 - lam for its
     partner's, 0 for any other (1 when both images are of the predicted class)."""
     predicted = logits.detach().argmax(dim=-1)
     if targets.ndim == 1:
@@ -166,7 +166,7 @@ def replica_fingerprints(accelerator, module) -> list:
 
 def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint, plan) -> None:
     """Collective: every process calls it once, after training. Completes `results` with what the
-    run measured and the main process writes results.json. `plan`: the run's length (utils/steps.py StepPlan).
+    run measured and the main process writes results.json. `plan`: the run's length (utils/run/steps.py StepPlan).
 
     Throughput is the samples of all processes over the slowest one's steady-state time (over all its
     batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
@@ -208,7 +208,7 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "sharded": accelerator.is_fsdp2,
             "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
             # --epochs, or those --max_steps spans (the last one perhaps cut short); --streaming: the epochs gone through,
-            # of lengths that vary and are not known beforehand (utils/streaming.py)
+            # of lengths that vary and are not known beforehand (utils/data/streaming.py)
             "epochs": progress.epoch if getattr(args, "streaming", False) else plan.epochs,
             "max_steps": plan.max_steps,
             "steps_per_epoch": None if getattr(args, "streaming", False) else plan.steps_per_epoch,
@@ -221,7 +221,7 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "learning_rate": args.learning_rate,
             "seed": args.seed,
             "resumed_from": str(checkpoint) if checkpoint is not None else None,
-            # the run.json of this run: a restart of the same command finds it finished (utils/run_folder.py)
+            # the run.json of this run: a restart of the same command finds it finished (utils/run/run_folder.py)
             "run": read_run_record(args.output_dir),
             "max_grad_norm": args.max_grad_norm,
             "parameter_fingerprints": [row[0] for row in replicas],

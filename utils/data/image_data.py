@@ -17,15 +17,15 @@ import torch
 
 # torchvision, simplejpeg, PIL and datasets are imported in the functions that use them: they take seconds to import,
 # which `--help` need not wait for
-from utils.data_layout import (
+from utils.data.data_layout import (
     MISSING_IMAGE,
     check_every_row_has_an_image,
     check_image_folder,
     mixed_extensions_error,
 )
+from utils.data.image_modes import viewer_rgb
+from utils.data.labels import encode_labels, sorted_label_values
 from utils.errors import UserError, first_line
-from utils.image_modes import viewer_rgb
-from utils.labels import encode_labels, sorted_label_values
 
 # torchvision's pretrained weights expect ImageNet-normalised inputs; from scratch it does no harm.
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -43,7 +43,7 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
     or DIR/<class>/* alone, split by `val_split` (stratified, fixed seed). `dataset`: a Hub dataset
     name (or a local folder of data files); columns are detected unless given. Class ids follow the folder names
     sorted as strings (as torchvision's ImageFolder), the values of a plain label column sorted (integers as numbers,
-    strings as strings: utils/labels.py), and the ClassLabel's own order (not necessarily sorted) for a data set that
+    strings as strings: utils/data/labels.py), and the ClassLabel's own order (not necessarily sorted) for a data set that
     has one; either way the same in every split, on every process and in every run.
     """
     import datasets  # imported here: the unit tests of the models need none of it
@@ -84,7 +84,7 @@ def load_image_datasets(data_dir=None, dataset=None, dataset_config=None, image_
             raise UserError(f"{source}: no column {column!r} (columns: {train.column_names}); fix {flag}")
     if not isinstance(train.features[label_column], datasets.ClassLabel):
         # integer or string labels: one id per distinct value of the training split, in sorted order (numbers as
-        # numbers), the same ids in every split (utils/labels.py)
+        # numbers), the same ids in every split (utils/data/labels.py)
         values = sorted_label_values(train.unique(label_column), source)
         splits = datasets.DatasetDict({name: encode_labels(split, label_column, values, source, name)
                                        for name, split in splits.items()})
@@ -377,7 +377,7 @@ def collate_images(samples: list):
 
 def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
     """An image file's bytes as a uint8 (3, H, W) RGB tensor, as a viewer shows the file: greyscale, palette, CMYK and
-    16-bit images become 3 channels of 8 bits, transparent pixels white (utils/image_modes.py).
+    16-bit images become 3 channels of 8 bits, transparent pixels white (utils/data/image_modes.py).
 
     JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API, as PIL uses): a third
     less time than PIL here. With fastupsample, colour stored at half resolution (4:2:0, most photos) is repeated over

@@ -26,10 +26,8 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from utils.checkpoints import BEST, CHECKPOINT_NAME, TMP_PREFIX, TRAINING_STATE, TrainingProgress, list_checkpoints
-from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError
-from utils.results import (
+from utils.report.results import (
     EVAL_RESULTS,
     RESUMABLE_KEYS,
     RUN_RECORD,
@@ -37,6 +35,8 @@ from utils.results import (
     read_run_record,
     write_json_atomically,
 )
+from utils.run.checkpoints import BEST, CHECKPOINT_NAME, TMP_PREFIX, TRAINING_STATE, TrainingProgress, list_checkpoints
+from utils.run.ema import EMA_WEIGHTS
 
 RESULTS = "results.json"
 LOCK = "run.lock"  # empty while no training holds it; "pid P on HOST since TIME" while one does

@@ -1,4 +1,4 @@
-"""A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/flags.py add_step_flags):
+"""A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/launch/flags.py add_step_flags):
 --max_steps (the run's length, instead of --epochs), --eval_steps (evaluate every N steps instead of after every
 epoch) and --logging_steps (log the mean training loss every N steps).
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from accelerate.logging import get_logger
 
-from utils.checkpoints import gather_running_loss, save_if_best
+from utils.run.checkpoints import gather_running_loss, save_if_best
 
 logger = get_logger(__name__)
 
@@ -72,8 +72,8 @@ class TrainingEvents:
     ema: object
     args: object
     results: dict
-    running_loss: object  # utils/results.py RunningLoss
-    meter: object  # utils/results.py ThroughputMeter
+    running_loss: object  # utils/report/results.py RunningLoss
+    meter: object  # utils/report/results.py ThroughputMeter
     lr_scheduler: object
 
 
