@@ -25,9 +25,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.image_data import autocast_dtype, collate_images, normalise_on_device  # noqa: E402
+from utils.data.device_input import autocast_dtype, normalise_on_device  # noqa: E402
+from utils.data.image_dataset import collate_images  # noqa: E402
 from utils.data.mnist import normalise_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
+from utils.files import check_writable_file, write_text_atomically  # noqa: E402
 from utils.launch.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
 from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.report.predictions import (  # noqa: E402
@@ -38,7 +40,6 @@ from utils.report.predictions import (  # noqa: E402
     read_inputs,
     read_trained_run,
 )
-from utils.report.results import check_writable_file, write_text_atomically  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -36,18 +36,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.image_data import (  # noqa: E402
-    TransformedImages,
-    autocast_dtype,
-    collate_images,
-    default_hflip,
-    device_normaliser,
-    eval_transform,
-    load_image_datasets,
-    resolve_augmentation,
-    train_transform,
-)
+from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
+from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
+from utils.data.image_loading import load_image_datasets  # noqa: E402
 from utils.data.mixing import MixedImages  # noqa: E402
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
 from utils.data.streaming import (  # noqa: E402
     StreamedImages,
     StreamLoader,
@@ -71,21 +64,11 @@ from utils.launch.flags import (  # noqa: E402
 from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
 from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
+from utils.report.results import report_evaluation, report_run  # noqa: E402
 from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import (  # noqa: E402
-    TrainingProgress,
-    accumulation_keeping,
-    batches_to_skip,
-    epochs_to_train,
-    gather_running_loss,
-    load_checkpoint,
-    read_training_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoint_due,
-)
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
 from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
 from utils.run.fsdp import shard_on_cpu  # noqa: E402
@@ -96,7 +79,15 @@ from utils.run.optim import (  # noqa: E402
     build_lr_scheduler,
     build_optimizer,
 )
+from utils.run.progress import TrainingProgress, read_training_state  # noqa: E402
 from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.resume import (  # noqa: E402
+    accumulation_keeping,
+    batches_to_skip,
+    epochs_to_train,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from utils.run.run_folder import (  # noqa: E402
     check_output_dir,
     nothing_left_to_train,
@@ -110,7 +101,7 @@ from utils.run.signals import (  # noqa: E402
     stop_requested,
     stop_with_the_launcher,
 )
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -233,7 +224,7 @@ def check_streaming_flags(parser, args) -> None:
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (--epochs, --max_steps and the process count can):
     recorded
-    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/checkpoints.py)."""
+    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
     return {
         "script": Path(__file__).name,
         "model": args.model, "pretrained": args.pretrained, "stem": args.stem,

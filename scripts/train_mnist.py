@@ -48,26 +48,24 @@ from utils.launch.flags import (  # noqa: E402
 from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
 from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
+from utils.report.results import report_evaluation, report_run  # noqa: E402
 from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import (  # noqa: E402
-    TrainingProgress,
-    accumulation_keeping,
-    batches_to_skip,
-    epochs_to_train,
-    gather_running_loss,
-    load_checkpoint,
-    read_training_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoint_due,
-)
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
 from utils.run.fsdp import shard_on_cpu  # noqa: E402
 from utils.run.hangs import collective_timeouts_named  # noqa: E402
 from utils.run.optim import build_lr_scheduler  # noqa: E402
+from utils.run.progress import TrainingProgress, read_training_state  # noqa: E402
 from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.resume import (  # noqa: E402
+    accumulation_keeping,
+    batches_to_skip,
+    epochs_to_train,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from utils.run.run_folder import (  # noqa: E402
     check_output_dir,
     nothing_left_to_train,
@@ -75,7 +73,7 @@ from utils.run.run_folder import (  # noqa: E402
     start_output_dir,
 )
 from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -92,7 +90,7 @@ def parse_args(argv=None):
 
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (the process count can): recorded as run.json
-    with its checkpoints and compared on --resume_from_checkpoint (utils/run/checkpoints.py)."""
+    with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
     return {
         "script": Path(__file__).name,
         # OneCycleLR spans exactly --epochs (or --max_steps), and a resume restores its length with its state

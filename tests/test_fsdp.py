@@ -213,8 +213,8 @@ def test_fsdp_on_cpu_refuses_what_it_cannot_shard_in_one_line(monkeypatch, env, 
 def test_auto_find_batch_size_is_refused_under_fsdp():
     from accelerate.utils import DistributedType
 
-    from utils.run.batch_size import fit_batch_size
     from utils.errors import UserError
+    from utils.run.batch_size import fit_batch_size
 
     with pytest.raises(UserError, match="--auto_find_batch_size .* under FSDP"):
         fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None)

@@ -55,7 +55,7 @@ def remove_simplejpeg_from_the_list(carried, tmp_path):
     listed = tmp_path / "wheels.txt"
     listed.write_text("".join(line for line in (check.GPU_DIR / "wheels.txt").read_text().splitlines(keepends=True)
                               if not line.startswith("simplejpeg")))
-    return carried, listed, ["utils/data/image_data.py imports simplejpeg", "holds simplejpeg"]
+    return carried, listed, ["utils/data/decoding.py imports simplejpeg", "holds simplejpeg"]
 
 
 def lose_a_carried_wheel(carried, tmp_path):

@@ -31,7 +31,9 @@ from image_data import (
 from datasets import Image
 from safetensors.torch import load_file
 
-from utils.data.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform
+from utils.data.image_dataset import TransformedImages
+from utils.data.image_loading import load_image_datasets
+from utils.data.recipes import eval_transform, train_transform
 from utils.errors import UserError
 from utils.metrics import load_metric
 from utils.models import build_model

@@ -4,7 +4,7 @@ End to end (12 webdataset classes, streamed and not, and predict.py): tests/test
 import datasets
 import pytest
 
-from utils.data.image_data import load_image_datasets
+from utils.data.image_loading import load_image_datasets
 from utils.data.labels import encode_labels, sorted_label_values
 from utils.errors import UserError
 

@@ -13,11 +13,13 @@ import torch
 from helpers import REPO, launcher_args, load_script, results, run
 from image_data import make_split_image_folder
 
-from utils.data.image_data import TransformedImages, load_image_datasets, train_transform
+from utils.data.image_dataset import TransformedImages
+from utils.data.image_loading import load_image_datasets
 from utils.data.mixing import MixedImages
+from utils.data.recipes import train_transform
 from utils.errors import UserError
-from utils.report.results import RunningLoss, accuracy_credit
-from utils.run.checkpoints import TrainingProgress, read_training_state
+from utils.report.meters import RunningLoss, accuracy_credit
+from utils.run.progress import TrainingProgress, read_training_state
 from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -333,7 +335,7 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(fo
     from safetensors.torch import load_file
     from sample_recorder import digest_of, tiny_cnn
 
-    from utils.data.image_data import normalise_on_device
+    from utils.data.device_input import normalise_on_device
 
     out, log = tmp_path / "out", tmp_path / "samples.log"
     args = ["--data_dir", str(folder), "--output_dir", str(out), "--model", "tests.sample_recorder:tiny_cnn",

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from utils.data.mnist import load_mnist_idx
 from utils.errors import UserError
+from utils.files import check_writable_file, write_text_atomically
 from utils.report.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
-from utils.report.results import check_writable_file, write_text_atomically
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -260,7 +260,9 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     from safetensors.torch import load_file
     from sample_recorder import tiny_cnn
 
-    from utils.data.image_data import decode_rgb, eval_transform, normalise_on_device
+    from utils.data.decoding import decode_rgb
+    from utils.data.device_input import normalise_on_device
+    from utils.data.recipes import eval_transform
 
     data, out = image_run
     path = tmp_path / "model.onnx"

@@ -12,7 +12,7 @@ from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, lau
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
-from utils.run.checkpoints import resolve_checkpoint
+from utils.run.resume import resolve_checkpoint
 from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"

@@ -16,7 +16,7 @@ from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tenso
 from image_data import make_split_image_folder
 
 from utils.launch.flags import HIGHER_IS_BETTER
-from utils.run.checkpoints import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
 from utils.run.steps import StepPlan
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"

@@ -12,7 +12,7 @@ from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
 
-from utils.report.results import GradNorms
+from utils.report.meters import GradNorms
 
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PATIENCE = 1
@@ -211,9 +211,9 @@ def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batc
 def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
     from accelerate import Accelerator
 
-    from utils.run.batch_size import fit_batch_size
     from utils.errors import UserError
     from utils.launch.flags import build_mnist_parser
+    from utils.run.batch_size import fit_batch_size
 
     args = build_mnist_parser("test").parse_args(["--batch_size", "8", "--cpu"])
     accelerator = Accelerator(cpu=True)
@@ -230,8 +230,8 @@ def test_auto_find_batch_size_takes_the_smallest_size_any_process_fits_and_undoe
     accumulation that keeps 32 x 2 per process; the probe's step leaves neither weights nor optimizer state behind."""
     from accelerate import Accelerator
 
-    from utils.run.batch_size import fit_batch_size
     from utils.launch.flags import build_mnist_parser
+    from utils.run.batch_size import fit_batch_size
 
     args = build_mnist_parser("test").parse_args(["--batch_size", "32", "--gradient_accumulation_steps", "2", "--cpu"])
     accelerator = Accelerator(cpu=True)

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from utils.errors import UserError
-from utils.report.results import write_json_atomically
+from utils.files import write_json_atomically
 
 # Shared flags (utils/launch/flags.py) that only scripts/train_mnist.py implements: the baselines and
 # scripts/benchmark_train.py refuse them rather than ignore them. (--ddp_timeout, which they keep,

@@ -7,7 +7,7 @@ from accelerate.utils import DistributedType, find_executable_batch_size
 from torch.utils.data import default_collate
 
 from utils.errors import UserError
-from utils.run.checkpoints import accumulation_keeping
+from utils.run.resume import accumulation_keeping
 
 logger = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""Checkpoint folders: `epoch_{n}` / `step_{n}` as in accelerate's examples, written atomically.
+"""Checkpoint folders: `epoch_{n}` / `step_{n}` as in accelerate's examples, written atomically, checked and found.
 
 A checkpoint is complete when its folder carries `training_state.json`, which is written
 (before `manifest.json`) once every process has written its files, inside a temporary folder
@@ -20,7 +20,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -28,140 +27,22 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object
-from safetensors.torch import load_file
 
 from utils.errors import UserError
-from utils.launch.flags import HIGHER_IS_BETTER
-from utils.report.results import RUN_RECORD, write_json_atomically
-from utils.run.fsdp import complete_fsdp_model
+from utils.files import write_json_atomically
+from utils.run.accelerate_save_lines import AccelerateSaveLines
+from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.run_record import RUN_RECORD
 
-TRAINING_STATE = "training_state.json"
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
-BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model.safetensors and training state
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
 logger = get_logger(__name__)
 
-
-class AccelerateSaveLines(logging.Filter):
-    """Accelerate's info lines about saved files, made true. save_state logs one line per file into the
-    temporary folder, renamed a moment later (save_checkpoint then logs one line for the final folder), and
-    names sampler.bin, which it writes only for iterable datasets; save_model names pytorch_model.bin when it
-    wrote model.safetensors. Those lines are dropped, or pointed at the file that was written; warnings and
-    errors always pass. (The objects registered for checkpointing, --model_ema's average, get a line each too.)"""
-
-    SAVED = re.compile(r"^(.* (?:saved in|Saving current state to|Saving the state of \S+ to) )(\S+)$")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        match = self.SAVED.match(record.getMessage()) if record.levelno < logging.WARNING else None
-        if match is None:
-            return True
-        path = Path(match[2])
-        if f"/{TMP_PREFIX}" in path.as_posix():
-            return False
-        if not path.exists() and path.name == "pytorch_model.bin" and path.with_name("model.safetensors").is_file():
-            record.msg, record.args = f"{match[1]}{path.with_name('model.safetensors')}", ()
-            return True
-        return path.exists()
-
-
 # Installed once, on the loggers of accelerate's modules that save (checkpointing: save_state, accelerator:
 # save_model), so that every save of the scripts is covered, also their final save_model.
 for _name in ("accelerate.checkpointing", "accelerate.accelerator"):
-    logging.getLogger(_name).addFilter(AccelerateSaveLines())
-
-
-@dataclasses.dataclass
-class TrainingProgress:
-    """Where a run stands, all processes together; saved as training_state.json in every checkpoint.
-
-    Counted in samples, not batches, so that a run can resume on another number of processes.
-    """
-
-    epoch: int = 0  # the epoch in progress (at an epoch boundary: the next one)
-    global_step: int = 0  # optimizer steps taken, fp16-skipped ones included
-    samples_seen: int = 0  # training samples processed over the whole run
-    samples_in_epoch: int = 0  # of those, in the epoch in progress
-    epoch_loss_sum: float = 0.0  # sum of the per-sample training losses of the epoch in progress
-    optimizer_steps_skipped: int = 0  # fp16 steps the GradScaler skipped (overflowing gradients)
-    num_processes: int = 1  # of the run that saved it
-    global_batch_size: int = 0  # samples per optimizer step: processes x batch size x accumulation steps
-    best_epoch: int = -1  # --metric_for_best: the epoch of the best evaluation so far (-1: none yet)
-    best_metric: float | None = None  # and its value
-    # Added later (ADDED_FIELDS): a checkpoint saved before them loads without them (read_training_state)
-    # the per-sample training accuracies of the epoch in progress (RunningLoss); None: resumed mid-epoch from a
-    # checkpoint saved before they were summed
-    epoch_accuracy_sum: float | None = 0.0
-    best_step: int = -1  # the optimizer step after which the best evaluation was (-1: none yet, or not recorded)
-    evaluations_without_improvement: int = 0  # since the best one (--early_stopping_patience counts them)
-    logging_loss_sum: float = 0.0  # --logging_steps: the per-sample training losses since the last log
-    logging_samples: int = 0  # and their number
-
-    def add(self, loss_sum: float, samples: int, accuracy_sum: float) -> None:
-        """Fold in the losses, accuracies and sample count of every process since the last call: into the epoch's
-        sums, and its losses into those of the next --logging_steps log."""
-        self.epoch_loss_sum += loss_sum
-        if self.epoch_accuracy_sum is not None:
-            self.epoch_accuracy_sum += accuracy_sum
-        self.samples_in_epoch += samples
-        self.samples_seen += samples
-        self.logging_loss_sum += loss_sum
-        self.logging_samples += samples
-
-    def take_logged_loss(self) -> float:
-        """--logging_steps: the mean training loss since the last call (over epoch ends too); the sums restart."""
-        mean_loss = self.logging_loss_sum / max(1, self.logging_samples)
-        self.logging_loss_sum, self.logging_samples = 0.0, 0
-        return mean_loss
-
-    def with_batch(self, num_processes: int, batch_size: int, accumulation: int) -> "TrainingProgress":
-        """A copy that records this run's process count and global batch (what its checkpoints will say)."""
-        return dataclasses.replace(self, num_processes=num_processes,
-                                   global_batch_size=num_processes * batch_size * accumulation)
-
-    def steps_per_epoch(self, num_samples: int, batch_size: int, whole_global_batches: bool) -> int:
-        """The length of an epoch in optimizer steps, for `num_samples` training samples and the global batch
-        recorded by `with_batch`. whole_global_batches: the epoch ends after its last whole global batch (the same
-        steps on any number of processes); otherwise every sample is trained, the last batches padded by
-        Accelerate's even_batches and the last accumulation cycle cut short at the end of the data."""
-        if whole_global_batches:
-            steps = num_samples // self.global_batch_size
-        else:
-            batches_per_process = math.ceil(num_samples / (self.num_processes * batch_size))
-            steps = math.ceil(batches_per_process / (self.global_batch_size // (self.num_processes * batch_size)))
-        if steps == 0:
-            raise UserError(f"{num_samples} training samples are fewer than one global batch "
-                            f"({self.global_batch_size}); lower --batch_size or --gradient_accumulation_steps")
-        return steps
-
-    def end_epoch(self) -> dict:
-        """The epoch's mean training loss and accuracy (None: see epoch_accuracy_sum); the progress then points at
-        the next epoch. An epoch the run ended inside (--max_steps, --early_stopping_patience at --eval_steps) ends
-        too: its means are those of the samples trained."""
-        samples, accuracy_sum = max(1, self.samples_in_epoch), self.epoch_accuracy_sum
-        means = {"train_loss": self.epoch_loss_sum / samples,
-                 "train_accuracy": accuracy_sum / samples if accuracy_sum is not None else None}
-        self.epoch, self.samples_in_epoch, self.epoch_loss_sum, self.epoch_accuracy_sum = self.epoch + 1, 0, 0.0, 0.0
-        return means
-
-
-ADDED_FIELDS = ("epoch_accuracy_sum", "best_step", "evaluations_without_improvement", "logging_loss_sum",
-                "logging_samples")
-
-
-def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
-    """Collective: every process calls it at the same step. Adds the losses, accuracies and samples of all
-    processes since the last call to `progress`. Without a GradScaler (fp32, bf16) a non-finite loss
-    ends the run here, naming its step: the weights are lost (fp16's scaler skips such steps)."""
-    rows = accelerator.gather(running_loss.take().unsqueeze(0)).cpu()  # one row per process
-    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()), rows[:, 4].sum().item())
-    nonfinite = rows[rows[:, 2] >= 0]
-    if accelerator.scaler is None and len(nonfinite):
-        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:4].tolist()
-        # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
-        raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
-                        f"{newest_good_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
-                        f"start afresh with a lower --learning_rate and --overwrite_output_dir")
+    logging.getLogger(_name).addFilter(AccelerateSaveLines(TMP_PREFIX))
 
 
 def save_checkpoint(accelerator, output_dir, name: str, progress: TrainingProgress, total_limit=None,
@@ -346,111 +227,6 @@ def stop_if_any_failed(accelerator, failure, output_dir: Path, tmp: Path) -> Non
     raise UserError(f"process {codes.index(2)} failed to write checkpoint {tmp}: see its error above")
 
 
-def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, args) -> None:
-    """Collective: `accelerator.load_state` (every process reads the weights, optimizer, scheduler,
-    GradScaler, the objects registered for checkpointing (--model_ema's average) and its own RNG states), with
-    one clear line when the folder does not fit the run.
-    The weights-only folder `best` (--eval_only) loads into `model` alone.
-    No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
-    complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (utils/run/fsdp.py)
-    if checkpoint is None:
-        if args.resume_from_checkpoint == "latest":
-            logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
-        return
-    try:
-        if Path(checkpoint).name == BEST:
-            # imported here: only this path needs it, and at the top it would cost --help and every process's start
-            # about half a second (it imports torch._dynamo, which prepare() has loaded by the time it runs here)
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-            # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
-            # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
-            set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / "model.safetensors"),
-                                 options=StateDictOptions(full_state_dict=True))
-        else:
-            accelerator.load_state(str(checkpoint))
-    except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
-        raise UserError(f"cannot load checkpoint {checkpoint} ({type(err).__name__}); it is corrupt or from "
-                        f"another model") from None
-    logger.info(f"Resumed from {checkpoint}: epoch {progress.epoch}, step {progress.global_step}, "
-                f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
-
-
-def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, epoch: int, args, ema=None) -> bool:
-    """--metric_for_best, after an evaluation in (or at the end of) epoch `epoch`: when `results` beat the best so far,
-    record them in `progress` and write the plain weights (as the final model.safetensors) and the progress to
-    OUTPUT_DIR/best, atomically; otherwise count one more evaluation without improvement. The weights are those the
-    metric measured: for eval_ema_accuracy or eval_ema_loss, --model_ema's average `ema` (as best/model.safetensors
-    all the same, so that best/ is used as it always is). Collective when it saves (gathers FSDP shards); `results`
-    are the same on every process, so every process decides the same."""
-    if args.metric_for_best is None:
-        return False
-    value, best = results[args.metric_for_best], progress.best_metric
-    if best is not None and not (value > best if HIGHER_IS_BETTER[args.metric_for_best] else value < best):
-        progress.evaluations_without_improvement += 1
-        return False
-    progress.best_epoch, progress.best_step, progress.best_metric = epoch, progress.global_step, value
-    progress.evaluations_without_improvement = 0
-    if args.metric_for_best.startswith("eval_ema_"):
-        plain_model = ema.module
-    else:
-        plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
-    saved = save_checkpoint(accelerator, args.output_dir, BEST, progress,
-                            write_into=lambda folder: accelerator.save_model(plain_model, folder))
-    logger.info(f"step {progress.global_step} (epoch {epoch}): best {args.metric_for_best} so far ({value:.4f}), "
-                f"saved to {saved}", main_process_only=True)
-    return True
-
-
-def epochs_to_train(accelerator, progress: TrainingProgress, args, max_steps: int):
-    """The epochs left, from the checkpoint's (or 0), until `max_steps` optimizer steps are done (--max_steps, or
-    --epochs whole epochs) and the last epoch has ended (also one the run ended inside, so that a resume from a
-    checkpoint saved at its last step still evaluates and reports it); none with --eval_only. --early_stopping_patience
-    ends them once --metric_for_best has not improved for that many evaluations (also when a resume finds it so).
-    The main process decides and Accelerate's trigger tells the others (one tiny all-reduce per epoch), so all
-    processes stop after the same epoch even if their metrics differed in the last bit. (Inside an epoch, with
-    --eval_steps, StepPlan.training_over ends it: every process counts the evaluations of the same gathered metrics.)"""
-    while not args.eval_only:
-        if progress.samples_in_epoch == 0:  # at an epoch's start (every process decides the same)
-            if progress.global_step >= max_steps:
-                return
-            if args.early_stopping_patience is not None:
-                if accelerator.is_main_process and \
-                        progress.evaluations_without_improvement >= args.early_stopping_patience:
-                    accelerator.set_trigger()  # [accelerate]
-                if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
-                    logger.info(f"Stopping early: {args.metric_for_best} has not improved for "
-                                f"{progress.evaluations_without_improvement} evaluations (best: "
-                                f"{progress.best_metric:.4f} after step {progress.best_step}, epoch "
-                                f"{progress.best_epoch})", main_process_only=True)
-                    return
-        yield progress.epoch
-
-
-def read_training_state(checkpoint) -> TrainingProgress:
-    path = Path(checkpoint) / TRAINING_STATE
-    try:
-        saved = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(
-            f"{checkpoint} is not a complete checkpoint (no {TRAINING_STATE}); pass an epoch_N or "
-            f"step_N folder written by these scripts, or --resume_from_checkpoint latest"
-        ) from None
-    except (OSError, ValueError) as err:
-        raise UserError(f"{path} is unreadable ({type(err).__name__}); resume from another checkpoint") from None
-    fields = {field.name for field in dataclasses.fields(TrainingProgress)}
-    if not isinstance(saved, dict) or not fields - set(ADDED_FIELDS) <= set(saved) <= fields:
-        raise UserError(f"{path} is not in this version's layout (expected the keys {sorted(fields)}); resume from a "
-                        f"checkpoint written by these scripts, or start afresh in another --output_dir") from None
-    # The fields an older checkpoint lacks, where their defaults would be wrong (the others take them):
-    if "epoch_accuracy_sum" not in saved and saved["samples_in_epoch"] > 0:
-        saved["epoch_accuracy_sum"] = None  # part of the epoch went unsummed: its accuracy is unknown
-    if "evaluations_without_improvement" not in saved and saved["best_epoch"] >= 0:
-        # by a run that evaluated after every epoch: the epochs ended since the best
-        saved["evaluations_without_improvement"] = saved["epoch"] - 1 - saved["best_epoch"]
-    return TrainingProgress(**saved)
-
-
 def list_checkpoints(output_dir, unreadable: list | None = None) -> list:
     """Complete checkpoints in `output_dir`, oldest first (by optimizer steps taken). One whose
     training_state.json is unreadable cannot be ordered: UserError, or with an `unreadable` list, added there."""
@@ -475,45 +251,6 @@ def list_checkpoints(output_dir, unreadable: list | None = None) -> list:
 def find_latest_checkpoint(output_dir):
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
-
-
-def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = False):
-    """What `--resume_from_checkpoint {latest,PATH}` points at: a folder, or None to start fresh.
-
-    'latest' with nothing saved yet means a first start (one command line serves the first
-    start and every restart); --eval_only has nothing to evaluate then.
-    """
-    if resume_from_checkpoint is None:
-        return None
-    if resume_from_checkpoint == BEST:
-        checkpoint = Path(output_dir) / BEST
-        if not (checkpoint / TRAINING_STATE).is_file():
-            raise UserError(f"--resume_from_checkpoint best: no {checkpoint} with {TRAINING_STATE}; train with "
-                            f"--metric_for_best (or --early_stopping_patience) first")
-        return checkpoint
-    if resume_from_checkpoint == "latest":
-        checkpoint = newest_good_checkpoint(output_dir, say_skipped=True)
-        if checkpoint is None and eval_only:
-            weights = Path(output_dir) / "model.safetensors"
-            fix = (f"its {weights.name} (the finished run's weights) is evaluated by scripts/predict.py --model_dir "
-                   f"{output_dir}, which prints the accuracy on the run's evaluation data" if weights.is_file()
-                   else "pass a checkpoint folder")
-            raise UserError(f"--eval_only: no complete checkpoint in {output_dir}; {fix}")
-        warn_if_unverifiable(checkpoint)
-        return checkpoint
-    checkpoint = Path(resume_from_checkpoint)
-    if not checkpoint.is_dir():
-        raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
-    if checkpoint.name == BEST and not eval_only:  # the literal 'best' is refused already by the flag checks
-        raise UserError(f"{checkpoint} holds the best weights only (no optimizer state): evaluate them with "
-                        f"--eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
-    problem = check_checkpoint(checkpoint)
-    if problem is not None:
-        good = newest_good_checkpoint(checkpoint.parent)
-        fix = f"resume from the newest good one, {good}" if good else "no good checkpoint is left beside it"
-        raise UserError(f"checkpoint {checkpoint} is damaged ({problem}); {fix}")
-    warn_if_unverifiable(checkpoint)
-    return checkpoint
 
 
 def main_process_warning(message: str) -> None:
@@ -549,40 +286,8 @@ def warn_if_unverifiable(checkpoint) -> None:
                              f"checked; loading it as it is")
 
 
-def accumulation_keeping(progress: TrainingProgress, num_processes: int, args, batch_size=None) -> int:
-    """On resume: the gradient accumulation steps that keep the checkpoint's global batch on `num_processes`
-    processes of `batch_size` samples (default --batch_size): --gradient_accumulation_steps when it already does,
-    else another number, logged.
-
-    The learning-rate schedule and the optimizer state belong to that global batch; a different
-    one would silently change the run. Raises UserError naming flags that work when none does.
-    """
-    target, batch_size = progress.global_batch_size, batch_size or args.batch_size
-    if num_processes * batch_size * args.gradient_accumulation_steps == target:
-        return args.gradient_accumulation_steps
-    if target % (num_processes * batch_size) == 0:
-        accumulation = target // (num_processes * batch_size)
-        logger.info(f"resuming on {num_processes} processes: --gradient_accumulation_steps {accumulation} keeps the "
-                    f"checkpoint's global batch of {target} samples", main_process_only=True)
-        return accumulation
-    if target % num_processes:
-        raise UserError(f"the checkpoint's global batch of {target} samples cannot be split over {num_processes} "
-                        f"processes; resume on a number of processes that divides {target}")
-    per_process = target // num_processes
-    keeps = max(b for b in range(1, min(batch_size, per_process) + 1) if per_process % b == 0)
-    raise UserError(f"the checkpoint's global batch is {target} samples ({progress.num_processes} processes); on "
-                    f"{num_processes} processes --batch_size {batch_size} cannot keep it: use --batch_size {keeps} "
-                    f"--gradient_accumulation_steps {per_process // keeps}")
-
-
 def step_checkpoint_due(checkpointing_steps, global_step: int) -> bool:
     """--checkpointing_steps N: a checkpoint after every N optimizer steps (not with "epoch" or none)."""
     return isinstance(checkpointing_steps, int) and global_step % checkpointing_steps == 0
 
 
-def batches_to_skip(progress: TrainingProgress, num_processes: int, batch_size: int) -> int:
-    """Batches per process already trained on in the epoch in progress (checkpoints are saved after an
-    optimizer step, so this part of the epoch is a whole number of global batches). The shuffle order
-    depends only on (seed, epoch) and each process takes every num_processes-th batch of it, so the
-    first samples_in_epoch samples of the order are the first this-many batches of every process."""
-    return math.ceil(progress.samples_in_epoch / (num_processes * batch_size))

@@ -27,18 +27,15 @@ from pathlib import Path
 from accelerate.logging import get_logger
 
 from utils.errors import UserError
-from utils.report.results import (
-    EVAL_RESULTS,
-    RESUMABLE_KEYS,
-    RUN_RECORD,
-    create_output_dir,
-    read_run_record,
-    write_json_atomically,
-)
-from utils.run.checkpoints import BEST, CHECKPOINT_NAME, TMP_PREFIX, TRAINING_STATE, TrainingProgress, list_checkpoints
+from utils.files import create_output_dir, write_json_atomically
+from utils.run.best import BEST
+from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints
 from utils.run.ema import EMA_WEIGHTS
+from utils.run.progress import TRAINING_STATE, TrainingProgress
+from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 RESULTS = "results.json"
+EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
 LOCK = "run.lock"  # empty while no training holds it; "pid P on HOST since TIME" while one does
 # What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
 RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, RESULTS, EVAL_RESULTS)

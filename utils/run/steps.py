@@ -1,6 +1,8 @@
-"""A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/launch/flags.py add_step_flags):
---max_steps (the run's length, instead of --epochs), --eval_steps (evaluate every N steps instead of after every
-epoch) and --logging_steps (log the mean training loss every N steps).
+"""What a run does between its optimizer steps: the losses of every process gathered, logs and evaluations as due.
+
+A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/launch/flags.py
+add_step_flags): --max_steps (the run's length, instead of --epochs), --eval_steps (evaluate every N steps instead of
+after every epoch) and --logging_steps (log the mean training loss every N steps).
 
 StepPlan says what is due after which optimizer step; after_step and at_epoch_end do it. Both are collective: every
 process calls them after every optimizer step (at every epoch's end), and the plan, the same on every process, says
@@ -13,7 +15,10 @@ from collections.abc import Callable
 
 from accelerate.logging import get_logger
 
-from utils.run.checkpoints import gather_running_loss, save_if_best
+from utils.errors import UserError
+from utils.run.best import save_if_best
+from utils.run.checkpoints import newest_good_checkpoint
+from utils.run.progress import TrainingProgress
 
 logger = get_logger(__name__)
 
@@ -72,8 +77,8 @@ class TrainingEvents:
     ema: object
     args: object
     results: dict
-    running_loss: object  # utils/report/results.py RunningLoss
-    meter: object  # utils/report/results.py ThroughputMeter
+    running_loss: object  # utils/report/meters.py RunningLoss
+    meter: object  # utils/report/meters.py ThroughputMeter
     lr_scheduler: object
 
 
@@ -117,3 +122,18 @@ def report(accelerator, results: dict, step: int, where: str, measured: dict, **
     results.update(measured)
     logger.info(f"{where}: {measured}")
     accelerator.log(measured | tracked_too, step=step)  # [accelerate]
+
+
+def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
+    """Collective: every process calls it at the same step. Adds the losses, accuracies and samples of all
+    processes since the last call to `progress`. Without a GradScaler (fp32, bf16) a non-finite loss
+    ends the run here, naming its step: the weights are lost (fp16's scaler skips such steps)."""
+    rows = accelerator.gather(running_loss.take().unsqueeze(0)).cpu()  # one row per process
+    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()), rows[:, 4].sum().item())
+    nonfinite = rows[rows[:, 2] >= 0]
+    if accelerator.scaler is None and len(nonfinite):
+        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:4].tolist()
+        # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
+        raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
+                        f"{newest_good_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
+                        f"start afresh with a lower --learning_rate and --overwrite_output_dir")
