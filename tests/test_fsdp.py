@@ -217,4 +217,4 @@ def test_auto_find_batch_size_is_refused_under_fsdp():
     from utils.run.batch_size import fit_batch_size
 
     with pytest.raises(UserError, match="--auto_find_batch_size .* under FSDP"):
-        fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None)
+        fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None, None)

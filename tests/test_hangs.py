@@ -114,21 +114,19 @@ def test_other_errors_pass_through():
 
 
 def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
-    """Both scripts run main() inside collective_timeouts_named(args): loading a checkpoint, --eval_only's
+    """Both scripts run main() inside collective_timeouts_named(args.ddp_timeout): loading a checkpoint, --eval_only's
     evaluation and the final save hang in collectives too."""
-    import argparse
 
     import pytest
 
     from utils.errors import UserError
     from utils.run.hangs import collective_timeouts_named
 
-    args = argparse.Namespace(ddp_timeout=5)
     with pytest.raises(UserError, match=r"timed out after --ddp_timeout 5 s, outside the training loop \(starting, "
                                         r"loading a checkpoint, evaluating or saving\): another process"):
-        with collective_timeouts_named(args):
+        with collective_timeouts_named(5):
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                                "5000ms for recv operation to complete")
     for script in ("train_mnist.py", "train_image_classifier.py"):
         main_block = (REPO / "scripts" / script).read_text().split('if __name__ == "__main__":')[1]
-        assert "with collective_timeouts_named(args):" in main_block and "main(args)" in main_block, script
+        assert "collective_timeouts_named(args.ddp_timeout):" in main_block and "main(args)" in main_block, script

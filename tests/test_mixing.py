@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, launcher_args, load_script, results, run
+from helpers import REPO, launcher_args, load_script, results, run, run_folder_of
 from image_data import make_split_image_folder
 
 from utils.data.image_dataset import TransformedImages
@@ -308,7 +308,7 @@ def test_a_resume_that_changes_adds_or_drops_mixing_is_refused(runs, tmp_path):
 
     def check(checkpoint, *flags):
         args = script.parse_args([*same, "--output_dir", str(checkpoint.parent), *flags])
-        check_output_dir(script.describe_run(args), checkpoint, args)
+        check_output_dir(run_folder_of(script, args), checkpoint, args.resume_from_checkpoint)
 
     check(runs / "p2" / "step_6", *MIXING)  # its own flags: accepted
     for mixing, differences in ((["--mixup_alpha", "0.5", "--cutmix_alpha", "1.0"],

@@ -4,7 +4,6 @@ bit, written as model_ema.safetensors, selectable for best/ and by predict.py's 
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
 under --compile."""
 
-import argparse
 import csv
 import json
 import re
@@ -21,6 +20,7 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
+    run_folder_of,
 )
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
@@ -251,25 +251,24 @@ def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_wi
 
 
 def test_a_checkpoint_and_the_flags_that_disagree_about_the_average_are_one_line(with_ema, without_ema, digits):
-    no = argparse.Namespace(model_ema=False)
     with pytest.raises(UserError, match="step_7 holds a --model_ema average: add --model_ema to load it too"):
-        build_model_ema(None, None, with_ema[0] / "step_7", no, STEPS)  # --eval_only of it, say
+        build_model_ema(None, None, with_ema[0] / "step_7", STEPS, False, None, False)  # --eval_only of it, say
     with pytest.raises(UserError, match=r"step_7 holds no --model_ema average .*; drop --model_ema"):
-        build_model_ema(None, None, without_ema / "step_7", argparse.Namespace(model_ema=True), STEPS)
+        build_model_ema(None, None, without_ema / "step_7", STEPS, True, None, False)
     # a resume with another decay (or with or without --model_ema): run.json differs
     mnist = load_script(TRAIN_MNIST)
     args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(with_ema[0]), "--model_ema",
                              "--model_ema_decay", "0.99", "--model_ema_warmup"])
     with pytest.raises(UserError, match=r"model_ema_decay 0.9998 -> 0.99\)"):
-        check_output_dir(mnist.describe_run(args), with_ema[0] / "step_7", args)
+        check_output_dir(run_folder_of(mnist, args), with_ema[0] / "step_7", args.resume_from_checkpoint)
     # a resume that drops --model_ema (the checkpoint's run.json has keys this run lacks), or adds it
     for out, ema_flags, difference in ((with_ema[0], [], "model_ema_decay 0.9998 -> None"),
                                        (without_ema, ["--model_ema"], "model_ema_decay None -> 0.9998")):
         args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(out), *ema_flags])
         with pytest.raises(UserError, match=difference):
-            check_output_dir(mnist.describe_run(args), out / "step_7", args)
+            check_output_dir(run_folder_of(mnist, args), out / "step_7", args.resume_from_checkpoint)
     args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(without_ema)])
-    check_output_dir(mnist.describe_run(args), without_ema / "step_7", args)  # its own flags: accepted
+    check_output_dir(run_folder_of(mnist, args), without_ema / "step_7", args.resume_from_checkpoint)  # accepted
 
 
 # ---------------------------------------------------------------- train_image_classifier.py under --compile

@@ -8,7 +8,17 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, results, snapshot
+from helpers import (
+    REPO,
+    TRAIN_MNIST,
+    assert_clean_user_error,
+    error_lines,
+    launch,
+    load_script,
+    results,
+    run_folder_of,
+    snapshot,
+)
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
@@ -125,7 +135,7 @@ def test_a_finished_run_is_left_as_it_is_by_its_own_command_and_refused_to_anoth
     args = mnist.parse_args(["--data_dir", str(synthetic_mnist), "--output_dir", str(only_best), *map(str, TINY),
                              "--seed", "7", "--resume_from_checkpoint", "latest"])
     with pytest.raises(UserError, match=r"already holds another run's files \(best\) of other flags: seed 42 -> 7"):
-        check_output_dir(mnist.describe_run(args), None, args)
+        check_output_dir(run_folder_of(mnist, args), None, args.resume_from_checkpoint)
 
     # --overwrite_output_dir: nothing of the old run is left, best/ included
     launch([*plain_run, "--learning_rate", "1e-3", "--overwrite_output_dir"])

@@ -221,7 +221,7 @@ def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
     optimizer = torch.optim.AdamW(model.parameters())
     dataset = [(torch.zeros(3, 8, 8), 0)] * 4
     with pytest.raises(UserError, match="even a batch of 1 runs out of memory"):
-        fit_batch_size(accelerator, model, optimizer, dataset, args)
+        fit_batch_size(accelerator, model, optimizer, dataset, args.batch_size, args.gradient_accumulation_steps)
     assert args.batch_size == 8  # the helper returns its choice; it never rewrites the flags
 
 
@@ -240,7 +240,7 @@ def test_auto_find_batch_size_takes_the_smallest_size_any_process_fits_and_undoe
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters())
     dataset = [(torch.rand(3, 8, 8), i % 10) for i in range(40)]
-    assert fit_batch_size(accelerator, model, optimizer, dataset, args) == (8, 32 * 2 // 8)
+    assert fit_batch_size(accelerator, model, optimizer, dataset, args.batch_size, 2) == (8, 32 * 2 // 8)
     assert not optimizer.state  # no Adam moments or step count from the probe
     assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
 

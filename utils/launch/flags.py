@@ -299,6 +299,34 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
     args.report_to = sorted({*chosen, *(["tensorboard"] if args.with_tracking else [])})
 
 
+# Shared flags that only scripts/train_mnist.py implements: the baselines and
+# scripts/benchmark_train.py refuse them rather than ignore them. (--ddp_timeout, which they keep,
+# has no collective to time out on one process, as in train_mnist.py.)
+FLAGS_THE_BASELINES_LACK = {
+    "gradient_accumulation_steps": 1,
+    "checkpointing_steps": None,
+    "checkpoints_total_limit": None,
+    "resume_from_checkpoint": None,
+    "overwrite_output_dir": False,
+    "save_on_signal": False,
+    "eval_only": False,
+    "with_tracking": False,
+    "report_to": "none",
+    "deterministic": False,
+    "max_grad_norm": None,
+    "metric_for_best": None,
+    "early_stopping_patience": None,
+    "profile": False,
+    "auto_find_batch_size": False,
+}
+
+
+def reject_flags_the_baselines_lack(parser, args) -> None:
+    for name, default in FLAGS_THE_BASELINES_LACK.items():
+        if getattr(args, name) != default:
+            parser.error(f"--{name}: the baselines leave it out to stay short; scripts/train_mnist.py has it")
+
+
 def build_mnist_parser(description: str) -> ArgumentParser:
     """The MNIST scripts (train_mnist.py and the baselines): one set of defaults, so that the
     comparisons between them compare the same training run."""

@@ -13,9 +13,12 @@ from utils.run.run_folder import EVAL_RESULTS
 from utils.run.run_record import read_run_record
 
 
-def report_run(accelerator, model, meter: ThroughputMeter, progress, args, results: dict, checkpoint, plan) -> None:
+def report_run(accelerator, model, meter: ThroughputMeter, progress, results: dict, checkpoint, plan, output_dir,
+               batch_size: int, accumulation: int, learning_rate: float, seed: int, max_grad_norm=None) -> None:
     """Collective: every process calls it once, after training. Completes `results` with what the
-    run measured and the main process writes results.json. `plan`: the run's length (utils/run/steps.py StepPlan).
+    run measured and the flags it ran with (--batch_size, --gradient_accumulation_steps, --learning_rate, --seed,
+    --max_grad_norm), and the main process writes OUTPUT_DIR/results.json. `plan`: the run's length and
+    --metric_for_best (utils/run/steps.py StepPlan).
 
     Throughput is the samples of all processes over the slowest one's steady-state time (over all its
     batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
@@ -58,30 +61,30 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, args, resul
             "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
             # --epochs, or those --max_steps spans (the last one perhaps cut short); --streaming: the epochs gone through,
             # of lengths that vary and are not known beforehand (utils/data/streaming.py)
-            "epochs": progress.epoch if getattr(args, "streaming", False) else plan.epochs,
+            "epochs": progress.epoch if plan.streaming else plan.epochs,
             "max_steps": plan.max_steps,
-            "steps_per_epoch": None if getattr(args, "streaming", False) else plan.steps_per_epoch,
+            "steps_per_epoch": None if plan.streaming else plan.steps_per_epoch,
             "global_step": progress.global_step,
             "samples_seen": progress.samples_seen,
             "optimizer_steps_skipped": progress.optimizer_steps_skipped,
-            "batch_size_per_process": args.batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "batch_size_per_process": batch_size,
+            "gradient_accumulation_steps": accumulation,
             "global_batch_size": progress.global_batch_size,
-            "learning_rate": args.learning_rate,
-            "seed": args.seed,
+            "learning_rate": learning_rate,
+            "seed": seed,
             "resumed_from": str(checkpoint) if checkpoint is not None else None,
             # the run.json of this run: a restart of the same command finds it finished (utils/run/run_folder.py)
-            "run": read_run_record(args.output_dir),
-            "max_grad_norm": args.max_grad_norm,
+            "run": read_run_record(output_dir),
+            "max_grad_norm": max_grad_norm,
             "parameter_fingerprints": [row[0] for row in replicas],
             "buffer_fingerprints": [row[1] for row in replicas],
         })
-        if args.metric_for_best is not None:
-            results.update({"metric_for_best": args.metric_for_best, "best_epoch": progress.best_epoch,
-                            "best_step": progress.best_step, f"best_{args.metric_for_best}": progress.best_metric,
+        if plan.metric_for_best is not None:
+            results.update({"metric_for_best": plan.metric_for_best, "best_epoch": progress.best_epoch,
+                            "best_step": progress.best_step, f"best_{plan.metric_for_best}": progress.best_metric,
                             "stopped_early": progress.global_step < plan.max_steps})
-        write_json_atomically(Path(args.output_dir) / "results.json", results)
-        print(f"Wrote {Path(args.output_dir) / 'results.json'}", flush=True)
+        write_json_atomically(Path(output_dir) / "results.json", results)
+        print(f"Wrote {Path(output_dir) / 'results.json'}", flush=True)
 
 
 def report_evaluation(accelerator, results: dict, checkpoint, progress, output_dir) -> None:

@@ -84,7 +84,7 @@ def complete_fsdp_model(accelerator, model) -> None:
             torch.distributed.broadcast(buffer, src=0)
         in_sync["buffers"] = True
 
-    def before_forward(module, args):
+    def before_forward(module, inputs):
         if module.training:
             in_sync["buffers"] = False
         elif not in_sync["buffers"]:

@@ -11,12 +11,13 @@ from utils.errors import UserError
 from utils.run.best import BEST
 from utils.run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
 from utils.run.fsdp import complete_fsdp_model
-from utils.run.progress import TRAINING_STATE, TrainingProgress
+from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
 
 logger = get_logger(__name__)
 
 
-def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, args) -> None:
+def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, resume_from_checkpoint,
+                    output_dir) -> None:
     """Collective: `accelerator.load_state` (every process reads the weights, optimizer, scheduler,
     GradScaler, the objects registered for checkpointing (--model_ema's average) and its own RNG states), with
     one clear line when the folder does not fit the run.
@@ -24,8 +25,8 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
     complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (run/fsdp.py)
     if checkpoint is None:
-        if args.resume_from_checkpoint == "latest":
-            logger.info(f"No checkpoint in {args.output_dir} yet: starting from scratch", main_process_only=True)
+        if resume_from_checkpoint == "latest":
+            logger.info(f"No checkpoint in {output_dir} yet: starting from scratch", main_process_only=True)
         return
     try:
         if Path(checkpoint).name == BEST:
@@ -46,29 +47,36 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
                 f"{progress.samples_in_epoch} samples into the epoch", main_process_only=True)
 
 
-def epochs_to_train(accelerator, progress: TrainingProgress, args, max_steps: int):
-    """The epochs left, from the checkpoint's (or 0), until `max_steps` optimizer steps are done (--max_steps, or
+def epochs_to_train(accelerator, progress: TrainingProgress, plan, eval_only: bool):
+    """The epochs left, from the checkpoint's (or 0), until `plan.max_steps` optimizer steps are done (--max_steps, or
     --epochs whole epochs) and the last epoch has ended (also one the run ended inside, so that a resume from a
     checkpoint saved at its last step still evaluates and reports it); none with --eval_only. --early_stopping_patience
     ends them once --metric_for_best has not improved for that many evaluations (also when a resume finds it so).
     The main process decides and Accelerate's trigger tells the others (one tiny all-reduce per epoch), so all
     processes stop after the same epoch even if their metrics differed in the last bit. (Inside an epoch, with
     --eval_steps, StepPlan.training_over ends it: every process counts the evaluations of the same gathered metrics.)"""
-    while not args.eval_only:
+    while not eval_only:
         if progress.samples_in_epoch == 0:  # at an epoch's start (every process decides the same)
-            if progress.global_step >= max_steps:
+            if progress.global_step >= plan.max_steps:
                 return
-            if args.early_stopping_patience is not None:
+            if plan.early_stopping_patience is not None:
                 if accelerator.is_main_process and \
-                        progress.evaluations_without_improvement >= args.early_stopping_patience:
+                        progress.evaluations_without_improvement >= plan.early_stopping_patience:
                     accelerator.set_trigger()  # [accelerate]
                 if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
-                    logger.info(f"Stopping early: {args.metric_for_best} has not improved for "
+                    logger.info(f"Stopping early: {plan.metric_for_best} has not improved for "
                                 f"{progress.evaluations_without_improvement} evaluations (best: "
                                 f"{progress.best_metric:.4f} after step {progress.best_step}, epoch "
                                 f"{progress.best_epoch})", main_process_only=True)
                     return
         yield progress.epoch
+
+
+def resume_point(resume_from_checkpoint, output_dir, eval_only: bool = False) -> tuple:
+    """(checkpoint, progress): the folder `--resume_from_checkpoint {latest,best,PATH}` points at and the progress it
+    saved; (None, a fresh TrainingProgress) to start afresh."""
+    checkpoint = resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only)
+    return checkpoint, read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
 
 
 def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = False):
@@ -110,17 +118,19 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     return checkpoint
 
 
-def accumulation_keeping(progress: TrainingProgress, num_processes: int, args, batch_size=None) -> int:
-    """On resume: the gradient accumulation steps that keep the checkpoint's global batch on `num_processes`
-    processes of `batch_size` samples (default --batch_size): --gradient_accumulation_steps when it already does,
-    else another number, logged.
+def accumulation_keeping(progress, num_processes: int, batch_size: int, accumulation: int) -> int:
+    """On resume: the gradient accumulation steps that keep the global batch of the checkpoint's `progress` on
+    `num_processes` processes of `batch_size` samples: `accumulation` (--gradient_accumulation_steps) when it already
+    does (or when there is no checkpoint to keep, `progress` None), else another number, logged.
 
     The learning-rate schedule and the optimizer state belong to that global batch; a different
     one would silently change the run. Raises UserError naming flags that work when none does.
     """
-    target, batch_size = progress.global_batch_size, batch_size or args.batch_size
-    if num_processes * batch_size * args.gradient_accumulation_steps == target:
-        return args.gradient_accumulation_steps
+    if progress is None:
+        return accumulation
+    target = progress.global_batch_size
+    if num_processes * batch_size * accumulation == target:
+        return accumulation
     if target % (num_processes * batch_size) == 0:
         accumulation = target // (num_processes * batch_size)
         logger.info(f"resuming on {num_processes} processes: --gradient_accumulation_steps {accumulation} keeps the "

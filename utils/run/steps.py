@@ -32,12 +32,15 @@ class StepPlan:
     eval_steps: int | None = None  # --eval_steps; None: evaluate at every epoch's end
     logging_steps: int | None = None  # --logging_steps; None: the training loss is reported per epoch only
     early_stopping_patience: int | None = None
+    metric_for_best: str | None = None  # what --early_stopping_patience watches and best/ keeps the best of
+    streaming: bool = False  # --streaming: an epoch's length is unknown, `steps_per_epoch` stands in (as max_steps)
 
     @classmethod
-    def of(cls, args, steps_per_epoch: int) -> "StepPlan":
+    def of(cls, steps_per_epoch: int, epochs: int, max_steps=None, eval_steps=None, logging_steps=None,
+           early_stopping_patience=None, metric_for_best=None, streaming=False) -> "StepPlan":
         """As the Trainer: --max_steps, when given, overrides --epochs."""
-        return cls(steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch, args.eval_steps,
-                   args.logging_steps, args.early_stopping_patience)
+        return cls(steps_per_epoch, max_steps or epochs * steps_per_epoch, eval_steps, logging_steps,
+                   early_stopping_patience, metric_for_best, streaming)
 
     @property
     def epochs(self) -> int:
@@ -75,7 +78,7 @@ class TrainingEvents:
     evaluate: Callable[[], dict]
     model: object
     ema: object
-    args: object
+    output_dir: object  # --output_dir, where best/ is kept
     results: dict
     running_loss: object  # utils/report/meters.py RunningLoss
     meter: object  # utils/report/meters.py ThroughputMeter
@@ -92,14 +95,15 @@ def after_step(accelerator, events: TrainingEvents, progress, epoch: int) -> Non
         return
     with events.meter.paused():  # logging and evaluating are not training time
         if logging:
-            gather_running_loss(accelerator, events.running_loss, progress, events.args.output_dir)
+            gather_running_loss(accelerator, events.running_loss, progress, events.output_dir)
             logged = {"loss": progress.take_logged_loss(), "learning_rate": events.lr_scheduler.get_last_lr()[0]}
             logger.info(f"step {step}: {logged}")
             accelerator.log(logged, step=step)  # [accelerate] to every tracker
         if evaluating:
             report(accelerator, events.results, step, f"step {step}", events.evaluate())
             events.model.train()  # evaluate() left the model in eval mode; its epoch goes on
-            save_if_best(accelerator, events.model, progress, events.results, epoch, events.args, events.ema)
+            save_if_best(accelerator, events.model, progress, events.results, epoch, events.plan.metric_for_best,
+                         events.output_dir, events.ema)
 
 
 def at_epoch_end(accelerator, events: TrainingEvents, progress, epoch: int, **train_metrics) -> None:
@@ -113,7 +117,8 @@ def at_epoch_end(accelerator, events: TrainingEvents, progress, epoch: int, **tr
     report(accelerator, events.results, progress.global_step, f"epoch {epoch}",
            measured | (events.evaluate() if evaluating else {}), epoch=epoch)
     if evaluating:
-        save_if_best(accelerator, events.model, progress, events.results, epoch, events.args, events.ema)
+        save_if_best(accelerator, events.model, progress, events.results, epoch, events.plan.metric_for_best,
+                     events.output_dir, events.ema)
 
 
 def report(accelerator, results: dict, step: int, where: str, measured: dict, **tracked_too) -> None:
