@@ -44,13 +44,20 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.benchmarking import (  # noqa: E402
-    METHODS, PRECISIONS, Combination, combination_of, machine_facts, portable_command, portable_path, write_report,
-)
-from utils.data import load_mnist  # noqa: E402
+from utils.data.mnist import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import ArgumentParser, positive_int  # noqa: E402
-from utils.results import create_output_dir  # noqa: E402
+from utils.files import create_output_dir  # noqa: E402
+from utils.launch.flags import ArgumentParser, positive_int  # noqa: E402
+from utils.report.benchmarking import (  # noqa: E402
+    METHODS,
+    PRECISIONS,
+    Combination,
+    combination_of,
+    machine_facts,
+    portable_command,
+    portable_path,
+    write_report,
+)
 
 MODELS = ("mnist", "resnet18", "resnet50")
 DATA_PATHS = ("dataloader", "device")

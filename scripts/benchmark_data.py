@@ -14,7 +14,7 @@ each through a real DataLoader with batches of --batch_size:
 - reference: the plain PyTorch way (pytorch/examples): torchvision's ImageFolder, the same v2
   transforms, float normalisation in the worker, no per-sample seeds;
 - decode_only: PIL's full decode of each file and nothing else: the floor;
-- ours: utils/image_data.py as it is now, built as scripts/train_image_classifier.py builds it.
+- ours: utils/data/ as it is now, built as scripts/train_image_classifier.py builds it.
 
 For each split and --num_workers, the pipelines take turns (--rounds times), so a slow moment
 of a shared machine hurts them alike; each figure is the median over rounds. A measurement
@@ -40,19 +40,13 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.benchmarking import machine_facts, portable_command, portable_path  # noqa: E402
+from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
+from utils.data.image_loading import load_image_datasets  # noqa: E402
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import ArgumentParser, positive_float, positive_int, seed  # noqa: E402
-from utils.image_data import (  # noqa: E402
-    TransformedImages,
-    collate_images,
-    default_hflip,
-    eval_transform,
-    load_image_datasets,
-    resolve_augmentation,
-    train_transform,
-)
-from utils.results import create_output_dir, write_json_atomically  # noqa: E402
+from utils.files import create_output_dir, write_json_atomically  # noqa: E402
+from utils.launch.flags import ArgumentParser, positive_float, positive_int, seed  # noqa: E402
+from utils.report.benchmarking import machine_facts, portable_command, portable_path  # noqa: E402
 
 PIPELINES = ("before", "reference", "decode_only", "ours")
 SPLITS = ("train", "eval")
@@ -89,7 +83,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def _before_train_transform(image_size, recipe, hflip):
-    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
+    from torchvision.transforms import v2  # here, as in utils/data/recipes.py: --help need not import it
     if recipe == "imagenet":
         geometry = [v2.RandomResizedCrop(image_size, antialias=True)]
     elif recipe == "small":
@@ -101,19 +95,19 @@ def _before_train_transform(image_size, recipe, hflip):
 
 
 def _before_eval_transform(image_size, recipe):
-    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
+    from torchvision.transforms import v2  # here, as in utils/data/recipes.py: --help need not import it
     if recipe == "imagenet":
         return _before_normalised(v2.Resize(round(image_size / 0.875), antialias=True), v2.CenterCrop(image_size))
     return _before_normalised(_before_whole_image(image_size))
 
 
 def _before_whole_image(image_size):
-    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
+    from torchvision.transforms import v2  # here, as in utils/data/recipes.py: --help need not import it
     return v2.Resize((image_size, image_size), antialias=True)
 
 
 def _before_normalised(*geometry):
-    from torchvision.transforms import v2  # here, as in utils/image_data.py: --help need not import it
+    from torchvision.transforms import v2  # here, as in utils/data/recipes.py: --help need not import it
     return v2.Compose([*geometry, v2.ToImage(), v2.ToDtype(torch.float32, scale=True),
                        v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 

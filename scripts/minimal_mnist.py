@@ -68,7 +68,7 @@ def main(args):
     # [accelerate] the device, the processes and the precision (fp16/bf16) come from `accelerate config` / launch
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)  # [accelerate]
-    # [accelerate] refuse launches that would run, but not as asked (utils/launch_checks.py: the exact check)
+    # [accelerate] refuse launches that would run, but not as asked (utils/launch/launch_checks.py: the exact check)
     started = int(os.environ.get("WORLD_SIZE", 1))  # [accelerate] set by torchrun, accelerate's multi-process launcher
     if accelerator.num_processes != started:  # [accelerate] without --cpu, CPU processes train alone
         sys.exit(f"error: {started} processes started but formed no group; add --cpu after the script name")

@@ -25,12 +25,14 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data import normalise_mnist  # noqa: E402
+from utils.data.device_input import autocast_dtype, normalise_on_device  # noqa: E402
+from utils.data.image_dataset import collate_images  # noqa: E402
+from utils.data.mnist import normalise_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
-from utils.image_data import autocast_dtype, collate_images, normalise_on_device  # noqa: E402
-from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.predictions import (  # noqa: E402
+from utils.files import check_writable_file, write_text_atomically  # noqa: E402
+from utils.launch.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
+from utils.report.predictions import (  # noqa: E402
     WEIGHT_FILES,
     WholeBatches,
     build_trained_model,
@@ -38,7 +40,6 @@ from utils.predictions import (  # noqa: E402
     read_inputs,
     read_trained_run,
 )
-from utils.results import check_writable_file, write_text_atomically  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -95,7 +96,7 @@ def parse_args(argv=None):
 def export(model, trained, batches, description, args):
     """--export onnx: the model with its fp32 input normalisation, checked with onnxruntime on the first
     --batch_size inputs that can be decoded."""
-    from utils.export import export_onnx  # its optional packages only for --export
+    from utils.report.export import export_onnx  # its optional packages only for --export
 
     examples = [batches[i] for i in range(min(args.batch_size, len(batches.inputs)))]
     images = [image for image, _, _, unreadable in examples if not unreadable]

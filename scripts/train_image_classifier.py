@@ -36,23 +36,20 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.batch_size import fit_batch_size  # noqa: E402
-from utils.checkpoints import (  # noqa: E402
-    TrainingProgress,
-    accumulation_keeping,
-    batches_to_skip,
-    epochs_to_train,
-    gather_running_loss,
-    load_checkpoint,
-    read_training_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoint_due,
+from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
+from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
+from utils.data.image_loading import load_image_datasets  # noqa: E402
+from utils.data.mixing import MixedImages  # noqa: E402
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
+from utils.data.streaming import (  # noqa: E402
+    StreamedImages,
+    StreamLoader,
+    epoch_batches,
+    load_image_stream,
+    stream_for_this_process,
 )
-from utils.ddp_diagnosis import unused_parameters_named  # noqa: E402
-from utils.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import (  # noqa: E402
+from utils.launch.flags import (  # noqa: E402
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -64,53 +61,42 @@ from utils.flags import (  # noqa: E402
     probability,
     tracker_config,
 )
-from utils.fsdp import shard_on_cpu  # noqa: E402
-from utils.hangs import collective_timeouts_named  # noqa: E402
-from utils.image_data import (  # noqa: E402
-    TransformedImages,
-    autocast_dtype,
-    collate_images,
-    default_hflip,
-    device_normaliser,
-    eval_transform,
-    load_image_datasets,
-    resolve_augmentation,
-    train_transform,
-)
-from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
-from utils.mixing import MixedImages  # noqa: E402
 from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
-from utils.optim import (  # noqa: E402
-    DEFAULT_LEARNING_RATE,
-    DEFAULT_WEIGHT_DECAY,
-    build_lr_scheduler,
-    build_optimizer,
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
+from utils.report.profiling import StepProfiler  # noqa: E402
+from utils.report.results import report_evaluation, report_run  # noqa: E402
+from utils.run.batch_size import fit_batch_size  # noqa: E402
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
+from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.hangs import collective_timeouts_named  # noqa: E402
+from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer  # noqa: E402
+from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.resume import (  # noqa: E402
+    accumulation_keeping,
+    batches_to_skip,
+    epochs_to_train,
+    load_checkpoint,
+    resume_point,
 )
-from utils.profiling import StepProfiler  # noqa: E402
-from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
-from utils.run_folder import (  # noqa: E402
+from utils.run.run_folder import (  # noqa: E402
+    RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.signals import (  # noqa: E402
+from utils.run.signals import (  # noqa: E402
     StopSignal,
     exit_interrupted,
     ignore_stop_signals,
     stop_requested,
     stop_with_the_launcher,
 )
-from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
-from utils.streaming import (  # noqa: E402
-    StreamedImages,
-    StreamLoader,
-    epoch_batches,
-    load_image_stream,
-    stream_for_this_process,
-)
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -233,7 +219,7 @@ def check_streaming_flags(parser, args) -> None:
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (--epochs, --max_steps and the process count can):
     recorded
-    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
     return {
         "script": Path(__file__).name,
         "model": args.model, "pretrained": args.pretrained, "stem": args.stem,
@@ -282,7 +268,7 @@ def build_datasets(args, accelerator, progress):
 
 
 def build_stream_datasets(args, accelerator, progress):
-    """--streaming: this process's part of the training stream, shuffled per epoch (utils/streaming.py), and the
+    """--streaming: this process's part of the training stream, shuffled per epoch (utils/data/streaming.py), and the
     evaluation split in memory (map-style: evaluated exactly as without --streaming)."""
     num_processes = accelerator.num_processes  # [accelerate] they split the stream: a checkpoint's epoch goes on
     if progress.global_step and progress.num_processes != num_processes:  # on as many processes only
@@ -299,21 +285,27 @@ def build_stream_datasets(args, accelerator, progress):
     return train_dataset, eval_dataset, class_names
 
 
-def training_loader(args, accelerator, train_dataset):
-    """drop_last: a last batch of one image would break BatchNorm in training. loader_options: --batch_size (per
-    process), --num_workers, pinned memory for a GPU. A stream's loader is this process's own (StreamLoader)."""
+def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
+    """The training and evaluation DataLoaders. drop_last: a last batch of one image would break BatchNorm in
+    training. loader_options: --batch_size (per process), --num_workers, pinned memory for a GPU. A stream's training
+    loader is this process's own (StreamLoader)."""
+    options = loader_options(args, accelerator)
     if args.streaming:
-        return StreamLoader(DataLoader(train_dataset, drop_last=True, **loader_options(args, accelerator)))
-    return DataLoader(train_dataset, shuffle=True, drop_last=True, **loader_options(args, accelerator))
+        train_dataloader = StreamLoader(DataLoader(train_dataset, drop_last=True, **options))
+    else:
+        train_dataloader = DataLoader(train_dataset, shuffle=True, drop_last=True, **options)
+    return train_dataloader, DataLoader(eval_dataset, **options)
 
 
-def steps_per_epoch_of(progress, train_dataset, args) -> int:
-    """Every epoch trains on whole global batches only, the same number on any number of processes (so that a run
-    resumed on another number keeps its schedule); the rest of the shuffle is left out. A stream's epoch ends where a
-    process's part runs out (utils/streaming.py), unknown beforehand: --max_steps stands for its length."""
-    if args.streaming:
-        return args.max_steps
-    return progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=True)
+def step_plan(args, progress, train_dataset) -> StepPlan:
+    """--max_steps (else --epochs), --eval_steps, --logging_steps, --early_stopping_patience of --metric_for_best, in
+    epochs of whole global batches only, the same number on any number of processes (so that a run resumed on another
+    number keeps its schedule); the rest of the shuffle is left out. A stream's epoch ends where a process's part runs
+    out (utils/data/streaming.py), unknown beforehand: --max_steps stands for its length."""
+    steps_per_epoch = args.max_steps if args.streaming else progress.steps_per_epoch(
+        len(train_dataset), args.batch_size, whole_global_batches=True)
+    return StepPlan.of(steps_per_epoch, args.epochs, args.max_steps, args.eval_steps, args.logging_steps,
+                       args.early_stopping_patience, args.metric_for_best, args.streaming)
 
 
 def ddp_options(args):
@@ -384,7 +376,7 @@ def evaluate(accelerator, model, dataloader, metric, model_input, ema=None):
         "eval_loss": losses.mean().item(),
         "eval_samples": losses.numel(),
     }
-    # [collective] --model_ema: this evaluation of the moving average too (utils/ema.py)
+    # [collective] --model_ema: this evaluation of the moving average too (utils/run/ema.py)
     return scores | evaluate_model_ema(accelerator, ema, evaluate, dataloader, metric, model_input)
 
 
@@ -392,12 +384,13 @@ def main(args):
     # shared: start-up
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
-    if args.deterministic:
-        make_deterministic()
-    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
-    run = describe_run(args)  # what defines this run: recorded as run.json with each of its checkpoints
-    check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
+    make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
+    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
+    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
+    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
+    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
+                       args.overwrite_output_dir, args.eval_only)
+    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
@@ -413,17 +406,17 @@ def main(args):
         kwargs_handlers=[ddp_options(args), InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/fsdp.py)
+    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
-    if nothing_left_to_train(run, progress, checkpoint, args):
+    if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):
         accelerator.end_training()  # [accelerate]
         return 0
-    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
-        # [accelerate] this run's process count
-        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
+    # a resume keeps the checkpoint's global batch (on any number of processes): its schedule and optimizer state
+    args.gradient_accumulation_steps = accumulation_keeping(  # [accelerate] this run's process count
+        progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
     # [accelerate] the main process reads the folder (or downloads) and builds the datasets cache, downloads the
     # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
@@ -441,16 +434,17 @@ def main(args):
     # shared: the global batch
     if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
-            accelerator, model, optimizer, train_dataset, args, progress if resuming else None, model_input)
+            accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
+            progress if resuming else None, model_input)
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    train_dataloader = training_loader(args, accelerator, train_dataset)  # --streaming: this process's part
-    eval_dataloader = DataLoader(eval_dataset, **loader_options(args, accelerator))
-    steps_per_epoch = steps_per_epoch_of(progress, train_dataset, args)  # whole global batches; a stream's: unknown
-    plan = StepPlan.of(args, steps_per_epoch)  # --max_steps (else --epochs), --eval_steps, --logging_steps
-    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, plan.max_steps)  # --lr_scheduler_type, ...
+    # --streaming: the training loader reads this process's part of the stream
+    train_dataloader, eval_dataloader = build_loaders(args, accelerator, train_dataset, eval_dataset)
+    plan = step_plan(args, progress, train_dataset)  # --max_steps, --eval_steps, ... in epochs of whole global batches
+    # --lr_scheduler_type over the plan's steps, its warmup
+    lr_scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, plan, args.warmup_steps, args.warmup_epochs)
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
@@ -458,43 +452,47 @@ def main(args):
 
     # shared: resume, then the first write
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/ema.py)
-    load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # and loaded from one (utils/run/ema.py)
+    ema = build_model_ema(accelerator, model, checkpoint, plan.max_steps, args.model_ema, args.model_ema_decay,
+                          args.model_ema_warmup)
+    # [collective] load_state, if there is a checkpoint
+    load_checkpoint(accelerator, model, checkpoint, progress, args.resume_from_checkpoint, args.output_dir)
     # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
     accelerator.step = 0
     if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
-        start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
+        # --overwrite_output_dir deletes the old run first; then run.json
+        start_output_dir(folder, progress, args.batch_size, args.gradient_accumulation_steps)
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
     accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training metrics and the last evaluation's
     meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
     grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
     # [accelerate] one progress bar per machine
-    progress_bar = tqdm(total=plan.max_steps, initial=progress.global_step,
-                        disable=not accelerator.is_local_main_process)
+    steps_bar = tqdm(total=plan.max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/steps.py)
+    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, model_input, ema)
-    events = TrainingEvents(plan, evaluation, model, ema, args, results, running_loss, meter, lr_scheduler)
+    events = TrainingEvents(plan, evaluation, model, ema, args.output_dir, results, running_loss, meter, lr_scheduler)
 
     # the progress bar is closed when training ends, also by an error
-    with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler, progress_bar:
+    with (collective_timeouts_named(args.ddp_timeout, progress), steps_bar,
+          StepProfiler(args.profile, args.output_dir, accelerator) as profiler):
         # [collective] --early_stopping_patience
-        for epoch in epochs_to_train(accelerator, progress, args, plan.max_steps):
+        for epoch in epochs_to_train(accelerator, progress, plan, args.eval_only):
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
             skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
             # [collective] a loader that starts after the batches the checkpoint's run trained in this epoch; a
-            # stream's ends where a process's part does, on every process (utils/streaming.py)
+            # stream's ends where a process's part does, on every process (utils/data/streaming.py)
             batches = epoch_batches(accelerator, train_dataloader, skip, args.gradient_accumulation_steps)
             meter.start()
             for images, labels in batches:
                 # whole global batches only (see above); --max_steps done or early stopping: the epoch ends here
-                if progress.global_step == (epoch + 1) * steps_per_epoch or plan.training_over(progress):
+                if progress.global_step == (epoch + 1) * plan.steps_per_epoch or plan.training_over(progress):
                     break
                 images = model_input(images)
                 # [accelerate] accumulate: no DDP all-reduce on accumulation steps; DDP's unused-parameter error named
@@ -518,7 +516,7 @@ def main(args):
                 if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
                     progress.global_step += 1
                     progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
-                    progress_bar.update(1)
+                    steps_bar.update(1)
                     # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
                     # [collective] what --logging_steps and --eval_steps ask after this step: log the mean training
@@ -559,7 +557,8 @@ def main(args):
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
-            report_run(accelerator, model, meter, progress, args, results, checkpoint, plan)
+            report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,
+                       args.gradient_accumulation_steps, args.learning_rate, args.seed, args.max_grad_norm)
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
@@ -574,7 +573,7 @@ if __name__ == "__main__":
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         stop_with_the_launcher()  # a SIGTERM to a one-process `accelerate launch` stops the training too
         # one training at a time in --output_dir (a lock); --ddp_timeout outside the training loop: one line too
-        with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args):
+        with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args.ddp_timeout):
             sys.exit(main(args))
     except UserError as err:
         exit_with_error(err)

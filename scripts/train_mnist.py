@@ -35,23 +35,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.batch_size import fit_batch_size  # noqa: E402
-from utils.checkpoints import (  # noqa: E402
-    TrainingProgress,
-    accumulation_keeping,
-    batches_to_skip,
-    epochs_to_train,
-    gather_running_loss,
-    load_checkpoint,
-    read_training_state,
-    resolve_checkpoint,
-    save_checkpoint,
-    step_checkpoint_due,
-)
-from utils.data import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.flags import (  # noqa: E402
+from utils.launch.flags import (  # noqa: E402
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -59,23 +45,35 @@ from utils.flags import (  # noqa: E402
     check_flag_combinations,
     tracker_config,
 )
-from utils.fsdp import shard_on_cpu  # noqa: E402
-from utils.hangs import collective_timeouts_named  # noqa: E402
-from utils.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.metrics import load_metric  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.optim import build_lr_scheduler  # noqa: E402
-from utils.profiling import StepProfiler  # noqa: E402
-from utils.reproducibility import make_deterministic  # noqa: E402
-from utils.results import GradNorms, RunningLoss, ThroughputMeter, report_evaluation, report_run  # noqa: E402
-from utils.run_folder import (  # noqa: E402
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
+from utils.report.profiling import StepProfiler  # noqa: E402
+from utils.report.results import report_evaluation, report_run  # noqa: E402
+from utils.run.batch_size import fit_batch_size  # noqa: E402
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
+from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.hangs import collective_timeouts_named  # noqa: E402
+from utils.run.optim import build_lr_scheduler  # noqa: E402
+from utils.run.reproducibility import make_deterministic  # noqa: E402
+from utils.run.resume import (  # noqa: E402
+    accumulation_keeping,
+    batches_to_skip,
+    epochs_to_train,
+    load_checkpoint,
+    resume_point,
+)
+from utils.run.run_folder import (  # noqa: E402
+    RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
-from utils.steps import StepPlan, TrainingEvents, after_step, at_epoch_end  # noqa: E402
+from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
 
 logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
 
@@ -92,7 +90,7 @@ def parse_args(argv=None):
 
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (the process count can): recorded as run.json
-    with its checkpoints and compared on --resume_from_checkpoint (utils/checkpoints.py)."""
+    with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
     return {
         "script": Path(__file__).name,
         # OneCycleLR spans exactly --epochs (or --max_steps), and a resume restores its length with its state
@@ -109,6 +107,22 @@ def describe_run(args) -> dict:
         **({"model_ema_decay": args.model_ema_decay, "model_ema_warmup": args.model_ema_warmup}
            if args.model_ema else {}),
     }
+
+
+def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
+    """The training and evaluation DataLoaders: --batch_size per process, pinned memory for a GPU."""
+    pin_memory = accelerator.device.type == "cuda"  # [accelerate]
+    return (DataLoader(train_dataset, args.batch_size, shuffle=True, pin_memory=pin_memory),
+            DataLoader(eval_dataset, args.batch_size, pin_memory=pin_memory))
+
+
+def step_plan(args, progress, train_dataset) -> StepPlan:
+    """--max_steps (else --epochs), --eval_steps, --logging_steps, --early_stopping_patience of --metric_for_best, in
+    epochs that train every sample at least once: on several processes Accelerate pads the last batches with samples
+    from the start of the shuffle, so that all processes take as many."""
+    steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
+    return StepPlan.of(steps_per_epoch, args.epochs, args.max_steps, args.eval_steps, args.logging_steps,
+                       args.early_stopping_patience, args.metric_for_best)
 
 
 def evaluate(accelerator, model, dataloader, metric, ema=None):
@@ -131,7 +145,7 @@ def evaluate(accelerator, model, dataloader, metric, ema=None):
         "eval_loss": losses.mean().item(),
         "eval_samples": losses.numel(),
     }
-    # [collective] --model_ema: this evaluation of the moving average too (utils/ema.py)
+    # [collective] --model_ema: this evaluation of the moving average too (utils/run/ema.py)
     return scores | evaluate_model_ema(accelerator, ema, evaluate, dataloader, metric)
 
 
@@ -139,12 +153,13 @@ def main(args):
     # shared: start-up
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
-    if args.deterministic:
-        make_deterministic()
-    checkpoint = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    progress = read_training_state(checkpoint) if checkpoint is not None else TrainingProgress()
-    run = describe_run(args)  # what defines this run: recorded as run.json with each of its checkpoints
-    check_output_dir(run, checkpoint, args)  # never two runs in one --output_dir; nothing is written yet
+    make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
+    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
+    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
+    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
+    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
+                       args.overwrite_output_dir, args.eval_only)
+    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
@@ -158,17 +173,17 @@ def main(args):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])  # --ddp_timeout
     # shared: after the Accelerator
     check_accelerator(accelerator)
-    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/fsdp.py)
+    shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
-    if nothing_left_to_train(run, progress, checkpoint, args):
+    if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):
         accelerator.end_training()  # [accelerate]
         return 0
-    if resuming:  # keep the checkpoint's global batch (on any number of processes): its schedule and optimizer state
-        # [accelerate] this run's process count
-        args.gradient_accumulation_steps = accumulation_keeping(progress, accelerator.num_processes, args)
+    # a resume keeps the checkpoint's global batch (on any number of processes): its schedule and optimizer state
+    args.gradient_accumulation_steps = accumulation_keeping(  # [accelerate] this run's process count
+        progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
     # [accelerate] the main process downloads MNIST (without --data_dir) and loads the metric's module, then the
     # others read those caches (on each machine, unless they share a filesystem)
@@ -184,19 +199,16 @@ def main(args):
     # shared: the global batch
     if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
-            accelerator, model, optimizer, train_dataset, args, progress if resuming else None, model_input)
+            accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
+            progress if resuming else None, model_input)
     accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    pin_memory = accelerator.device.type == "cuda"  # [accelerate]
-    train_dataloader = DataLoader(train_dataset, args.batch_size, shuffle=True, pin_memory=pin_memory)
-    eval_dataloader = DataLoader(eval_dataset, args.batch_size, pin_memory=pin_memory)
-    # Every epoch trains every sample at least once: on several processes Accelerate pads the last batches with
-    # samples from the start of the shuffle, so that all processes take as many
-    steps_per_epoch = progress.steps_per_epoch(len(train_dataset), args.batch_size, whole_global_batches=False)
-    plan = StepPlan.of(args, steps_per_epoch)  # --max_steps (else --epochs), --eval_steps, --logging_steps
-    lr_scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, plan.max_steps)  # --lr_scheduler_type, ...
+    train_dataloader, eval_dataloader = build_loaders(args, accelerator, train_dataset, eval_dataset)
+    plan = step_plan(args, progress, train_dataset)  # --max_steps (else --epochs), --eval_steps, --logging_steps
+    # --lr_scheduler_type over the plan's steps, its warmup
+    lr_scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, plan, args.warmup_steps, args.warmup_epochs)
     # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
@@ -204,32 +216,36 @@ def main(args):
 
     # shared: resume, then the first write
     # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    ema = build_model_ema(accelerator, model, checkpoint, args, plan.max_steps)  # and loaded from one (utils/ema.py)
-    load_checkpoint(accelerator, model, checkpoint, progress, args)  # [collective] load_state, if there is a checkpoint
+    # and loaded from one (utils/run/ema.py)
+    ema = build_model_ema(accelerator, model, checkpoint, plan.max_steps, args.model_ema, args.model_ema_decay,
+                          args.model_ema_warmup)
+    # [collective] load_state, if there is a checkpoint
+    load_checkpoint(accelerator, model, checkpoint, progress, args.resume_from_checkpoint, args.output_dir)
     # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
     accelerator.step = 0
     if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
-        start_output_dir(args, run, progress)  # --overwrite_output_dir deletes the old run first; then run.json
+        # --overwrite_output_dir deletes the old run first; then run.json
+        start_output_dir(folder, progress, args.batch_size, args.gradient_accumulation_steps)
     # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
     accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training metrics and the last evaluation's
     meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
     grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
     # [accelerate] one progress bar per machine
-    progress_bar = tqdm(total=plan.max_steps, initial=progress.global_step,
-                        disable=not accelerator.is_local_main_process)
+    steps_bar = tqdm(total=plan.max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
     # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/steps.py)
+    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, ema)
-    events = TrainingEvents(plan, evaluation, model, ema, args, results, running_loss, meter, lr_scheduler)
+    events = TrainingEvents(plan, evaluation, model, ema, args.output_dir, results, running_loss, meter, lr_scheduler)
 
     # the progress bar is closed when training ends, also by an error
-    with collective_timeouts_named(args, progress), StepProfiler(args, accelerator) as profiler, progress_bar:
+    with (collective_timeouts_named(args.ddp_timeout, progress), steps_bar,
+          StepProfiler(args.profile, args.output_dir, accelerator) as profiler):
         # [collective] --early_stopping_patience
-        for epoch in epochs_to_train(accelerator, progress, args, plan.max_steps):
+        for epoch in epochs_to_train(accelerator, progress, plan, args.eval_only):
             model.train()
             train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
             skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
@@ -259,7 +275,7 @@ def main(args):
                 if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
                     progress.global_step += 1
                     progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
-                    progress_bar.update(1)
+                    steps_bar.update(1)
                     # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
                     # [collective] what --logging_steps and --eval_steps ask after this step: log the mean training
@@ -299,7 +315,8 @@ def main(args):
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
-            report_run(accelerator, model, meter, progress, args, results, checkpoint, plan)
+            report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,
+                       args.gradient_accumulation_steps, args.learning_rate, args.seed, args.max_grad_norm)
     # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
@@ -314,7 +331,7 @@ if __name__ == "__main__":
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         stop_with_the_launcher()  # a SIGTERM to a one-process `accelerate launch` stops the training too
         # one training at a time in --output_dir (a lock); --ddp_timeout outside the training loop: one line too
-        with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args):
+        with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args.ddp_timeout):
             sys.exit(main(args))
     except UserError as err:
         exit_with_error(err)

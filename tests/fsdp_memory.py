@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for utils/
-from utils.fsdp import parameter_bytes, shard_on_cpu
+from utils.run.fsdp import parameter_bytes, shard_on_cpu
 from utils.models import build_model
 
 LIBC = ctypes.CDLL("libc.so.6")  # glibc: malloc_trim returns the heap's free pages to the system

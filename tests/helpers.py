@@ -182,3 +182,11 @@ def load_script(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_folder_of(script, args):
+    """The RunFolder that `script`'s main builds from its `args` (what check_output_dir reads)."""
+    from utils.run.run_folder import RunFolder
+
+    return RunFolder(args.output_dir, script.describe_run(args), args.epochs, args.max_steps,
+                     args.early_stopping_patience, args.overwrite_output_dir, args.eval_only)

@@ -9,11 +9,12 @@ its exit status goes to $SAMPLE_LOG.rank{RANK}.exit. Stopped by SIGTERM (the lau
 when one fails), a process prints its Python threads' stacks first.
 
 With --mixup_alpha/--cutmix_alpha the mixed sample is what trains: its line is "EPOCH INDEX PARTNER KIND LAM
-DIGEST" (utils/mixing.py: PARTNER -1 and KIND "-" when it is not mixed; DIGEST: a hash of its pixels and target), and
-its two images' fetches from the dataset it wraps write no line of their own.
+DIGEST" (utils/data/mixing.py: PARTNER -1 and KIND "-" when it is not mixed; DIGEST: a hash of its pixels and
+target), and its two images' fetches from the dataset it wraps write no line of their own.
 
-With --streaming each image the stream decodes for training writes "EPOCH KEY" (KEY: the CRC-32 of the image file, what
-utils/streaming.py seeds its augmentations with): a decoded image may be one of the last few that no whole batch took.
+With --streaming each image the stream decodes for training writes "EPOCH KEY" (KEY: the CRC-32 of the image file,
+what utils/data/streaming.py seeds its augmentations with): a decoded image may be one of the last few that no whole
+batch took.
 
 Fetched is trained here: a prepared DataLoaderShard fetches one batch ahead but within the epoch only, and
 skip_first_batches skips indices, not fetched batches. (A loop that breaks out of an epoch early would have
@@ -66,13 +67,14 @@ class RecordedTensorDataset(torch.utils.data.Dataset):
 
 
 def _patch_datasets() -> None:
-    import utils.data
-    import utils.image_data
-    import utils.mixing
-    import utils.streaming
+    import utils.data.image_dataset
+    import utils.data.mixing
+    import utils.data.mnist
+    import utils.data.recipes
+    import utils.data.streaming
 
     # train_mnist.py: the training split's tensors, recognised by identity, become a recorded dataset
-    load_mnist, to_tensor_dataset = utils.data.load_mnist, utils.data.to_tensor_dataset
+    load_mnist, to_tensor_dataset = utils.data.mnist.load_mnist, utils.data.mnist.to_tensor_dataset
     train_images = []
 
     def recorded_load_mnist(*args, **kwargs):
@@ -84,10 +86,10 @@ def _patch_datasets() -> None:
         dataset = to_tensor_dataset(images, labels, *args, **kwargs)
         return RecordedTensorDataset(dataset) if any(images is t for t in train_images) else dataset
 
-    utils.data.load_mnist, utils.data.to_tensor_dataset = recorded_load_mnist, recorded_to_tensor_dataset
+    utils.data.mnist.load_mnist, utils.data.mnist.to_tensor_dataset = recorded_load_mnist, recorded_to_tensor_dataset
 
     # train_image_classifier.py: the dataset built with train_transform()'s transform records its fetches
-    train_transform, TransformedImages = utils.image_data.train_transform, utils.image_data.TransformedImages
+    train_transform, TransformedImages = utils.data.recipes.train_transform, utils.data.image_dataset.TransformedImages
     train_transforms = []
 
     def recorded_train_transform(*args, **kwargs):
@@ -102,11 +104,11 @@ def _patch_datasets() -> None:
                 _Log.write(self.epoch, int(index))  # the epoch its augmentations are seeded with
             return super()._sample(index, *args)
 
-    utils.image_data.train_transform = recorded_train_transform
-    utils.image_data.TransformedImages = RecordedTransformedImages
+    utils.data.recipes.train_transform = recorded_train_transform
+    utils.data.image_dataset.TransformedImages = RecordedTransformedImages
 
     # --mixup_alpha/--cutmix_alpha: the training dataset is wrapped; the wrapper records what it hands out
-    class RecordedMixedImages(utils.mixing.MixedImages):
+    class RecordedMixedImages(utils.data.mixing.MixedImages):
         def __init__(self, dataset, *args, **kwargs):
             super().__init__(dataset, *args, **kwargs)
             dataset.mixed = True
@@ -118,15 +120,15 @@ def _patch_datasets() -> None:
             _Log.write(epoch, int(index), partner, kind or "-", repr(lam), digest_of(image, target))
             return image, target
 
-    utils.mixing.MixedImages = RecordedMixedImages
+    utils.data.mixing.MixedImages = RecordedMixedImages
 
     # --streaming: each decoded training image writes "EPOCH KEY", KEY the CRC-32 of its file that seeds its augmentations
-    class RecordedStreamedImages(utils.streaming.StreamedImages):
+    class RecordedStreamedImages(utils.data.streaming.StreamedImages):
         def transformed(self, data, *args):
             _Log.write(self.epoch, zlib.crc32(data))
             return super().transformed(data, *args)
 
-    utils.streaming.StreamedImages = RecordedStreamedImages
+    utils.data.streaming.StreamedImages = RecordedStreamedImages
 
 
 def digest_of(image: torch.Tensor, target: torch.Tensor) -> str:

@@ -155,8 +155,8 @@ FOLDER_LAYOUTS = [
 @pytest.mark.parametrize("spoil, words", FOLDER_LAYOUTS, ids=[spoil.__name__[1:] for spoil, _ in FOLDER_LAYOUTS])
 @pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streamed"])
 def test_image_folders_that_read_as_something_else_are_one_line(tmp_path, spoil, words, streaming):
-    from utils.image_data import load_image_datasets
-    from utils.streaming import load_image_stream
+    from utils.data.image_loading import load_image_datasets
+    from utils.data.streaming import load_image_stream
 
     root = make_split_image_folder(tmp_path / "images", train_per_class=2, val_per_class=1)
     data_dir = spoil(root) or root
@@ -199,8 +199,9 @@ def test_webdataset_shards_mixing_jpg_and_png_are_one_line(tmp_path):
     """`datasets` gives the samples whose extension is not the first samples' no image (or, streaming some shards,
     refuses them in a line that does not say what to do): map-style, one line when loading; streamed, one line when
     such a sample comes, also in a DataLoader worker (issue 29: a TypeError and 129 lines)."""
-    from utils.image_data import eval_transform, load_image_datasets
-    from utils.streaming import StreamedImages, load_image_stream
+    from utils.data.image_loading import load_image_datasets
+    from utils.data.recipes import eval_transform
+    from utils.data.streaming import StreamedImages, load_image_stream
 
     write_shards(tmp_path / "mixed", {"train-00000": ["jpg", "png"] * 4, "test-00000": ["jpg"] * 4})
     with pytest.raises(UserError) as err:

@@ -10,7 +10,7 @@ from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, laun
                      run)
 from safetensors.torch import load_file
 
-from utils.data import load_mnist_idx, to_tensor_dataset
+from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.models import ConvNet
 
 BASELINES = REPO / "scripts" / "baselines"

@@ -291,7 +291,7 @@ def test_accelerate_method_honours_ddp_timeout(synthetic_mnist, tmp_path):
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0 and not (out / "results.json").exists()
-    timed_out = ("Timed out waiting 5000ms", "wait timeout after 5000ms")  # gloo's, the store's (utils/hangs.py)
+    timed_out = ("Timed out waiting 5000ms", "wait timeout after 5000ms")  # gloo's, the store's (utils/run/hangs.py)
     assert any(message in output for message in timed_out), output[-3000:]
     # the 5 s timeout, rank 0's exit, the launcher's grace for the stopped process, its SIGKILL
     assert waited < 5 + SHUTDOWN_GRACE + 20, waited
@@ -362,7 +362,7 @@ def test_autocast_reaches_the_replica_threads_with_its_dtype():
     """The defect, on the CPU: autocast entered around the DataParallel call reaches the replicas
     with the default dtype, not the one asked for (bf16 on the CPU here; on CUDA the default is
     fp16, so a bf16 run computed in fp16). AutocastInForward enters it inside each replica."""
-    from utils.benchmarking import AutocastInForward
+    from utils.report.benchmarking import AutocastInForward
 
     x = torch.randn(2, 4)
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # the default a replica thread starts from
@@ -375,7 +375,7 @@ def test_autocast_reaches_the_replica_threads_with_its_dtype():
 
 
 def test_the_step_watch_sees_gradscaler_skip_a_step_without_reading_the_scale():
-    from utils.benchmarking import OptimizerStepWatch
+    from utils.report.benchmarking import OptimizerStepWatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -414,7 +414,7 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
     DataParallel does on two), and with nn.DataParallel itself where there are 2+ GPUs."""
     from torch.nn.parallel import parallel_apply
 
-    from utils.benchmarking import AutocastInForward
+    from utils.report.benchmarking import AutocastInForward
 
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")

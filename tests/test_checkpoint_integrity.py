@@ -11,9 +11,11 @@ import pytest
 from accelerate import PartialState
 from helpers import REPO, assert_clean_user_error, launch, skip_or_fail_in_ci
 
-import utils.checkpoints as checkpoints
-from utils.checkpoints import MANIFEST, TrainingProgress, save_checkpoint
+import utils.run.checkpoints as checkpoints
+import utils.run.resume as resume
 from utils.errors import UserError
+from utils.run.checkpoints import MANIFEST, save_checkpoint
+from utils.run.progress import TrainingProgress
 
 # 64 samples / 16 per batch: 4 optimizer steps in the one epoch. A checkpoint is about 0.37 MB
 # (optimizer.bin 241,361 bytes, model.safetensors 117,824, random_states_0.pkl 14,497, the rest under 4 kB).
@@ -88,28 +90,28 @@ def test_a_truncated_training_state_is_skipped_by_latest_and_refused_by_name(tmp
     state = tmp_path / "step_2" / "training_state.json"
     size = state.stat().st_size
     state.write_text(state.read_text()[:10])  # no longer JSON: list_checkpoints cannot even order it
-    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_1"
+    assert resume.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_1"
     assert [r.getMessage() for r in caplog.records] == [
         f"--resume_from_checkpoint latest: skipping damaged checkpoint step_2 (training_state.json has 10 bytes, "
         f"{size} when saved); resuming from {tmp_path / 'step_1'}"]
     with pytest.raises(UserError, match=f"step_2 is damaged .*; resume from the newest good one, {tmp_path / 'step_1'}$"):
-        checkpoints.resolve_checkpoint(str(tmp_path / "step_2"), tmp_path)
+        resume.resolve_checkpoint(str(tmp_path / "step_2"), tmp_path)
 
 
 def test_latest_is_the_newest_good_checkpoint_of_several(tmp_path):
     """Four good checkpoints: 'latest' is step_4; with step_4 damaged, step_3 (the newest good one, not the oldest)."""
     for step in (1, 2, 3, 4):
         _write_checkpoint(tmp_path, step)
-    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_4"
+    assert resume.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_4"
     (tmp_path / "step_4" / "model.safetensors").write_bytes(b"\0" * 4096)  # same size, other bytes
-    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_3"
+    assert resume.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_3"
     assert checkpoints.newest_good_checkpoint(tmp_path) == tmp_path / "step_3"
 
 
 def test_a_checkpoint_without_a_manifest_loads_with_one_warning(tmp_path, caplog):
     _write_checkpoint(tmp_path, 1)
     (tmp_path / "step_1" / MANIFEST).unlink()  # as saved before manifests existed
-    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_1"
+    assert resume.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_1"
     assert [r.getMessage() for r in caplog.records] == [
         f"{tmp_path / 'step_1'} has no {MANIFEST} (saved by an older version): its files cannot be checked; "
         f"loading it as it is"]

@@ -9,7 +9,7 @@ import yaml
 from accelerate.commands.config.config_args import load_config_from_file
 from helpers import REPO, launch, make_synthetic_mnist, results
 
-from utils.launch_config import check_launch_config
+from utils.launch.launch_config import check_launch_config
 
 CONFIG_DIR = REPO / "accelerate_configs"
 ALL_CONFIGS = sorted(p.name for p in CONFIG_DIR.glob("*.yaml"))

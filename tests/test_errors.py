@@ -10,8 +10,8 @@ sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
 
 from utils.errors import UserError  # noqa: E402
-from utils import launch_config  # noqa: E402
-from utils.launch_config import check_launch_config  # noqa: E402
+from utils.launch import launch_config  # noqa: E402
+from utils.launch.launch_config import check_launch_config  # noqa: E402
 
 
 def train(*args, **kwargs):
@@ -132,7 +132,7 @@ def test_multi_process_launch_without_cpu_flag_is_caught(data, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
 def test_more_processes_than_gpus_is_caught(data, tmp_path):
     """One process per GPU: a launch of one process more than the visible GPUs ends in one line from
-    utils/launch_checks.py check_enough_devices, not in CUDA's "invalid device ordinal"."""
+    utils/launch/launch_checks.py check_enough_devices, not in CUDA's "invalid device ordinal"."""
     gpus = torch.cuda.device_count()
     proc = run([*launcher_args(gpus + 1), TRAIN_MNIST, "--data_dir", data, "--output_dir", tmp_path / "out"],
                check=False)
@@ -183,7 +183,7 @@ def test_launch_config_checker_command(tmp_path):
     configs = sorted((REPO / "accelerate_configs").glob("*.yaml"))
     (tmp_path / "bad.yaml").write_text("distributed_type: 'NO'\nnum_processes: 2\n")
     # no GPU visible, on any machine: the GPU configs say what they do here
-    proc = run([sys.executable, "-m", "utils.launch_config", *configs, tmp_path / "bad.yaml"], check=False,
+    proc = run([sys.executable, "-m", "utils.launch.launch_config", *configs, tmp_path / "bad.yaml"], check=False,
                env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.stdout.count("ok: ") == len(configs)
     assert_clean_user_error(proc, "bad.yaml", "starts one process")

@@ -1,4 +1,4 @@
-"""FSDP2 on CPU processes (utils/fsdp.py, accelerate_configs/fsdp_cpu.yaml): both training scripts shard their model
+"""FSDP2 on CPU processes (utils/run/fsdp.py, accelerate_configs/fsdp_cpu.yaml): both training scripts shard their model
 over 2 and 3 gloo processes through the same prepare/save_state/load_state/get_state_dict/save_model calls a GPU run
 makes. Proven against a DDP run of the same seed (loss per step, evaluation), with the checkpoints' shards resumed on
 the same process count (the same final weights) and on another one (every sample trained once, by id), and the whole
@@ -279,7 +279,7 @@ def test_fsdp_on_cpu_refuses_what_it_cannot_shard_in_one_line(monkeypatch, env, 
     from accelerate.utils import DistributedType
 
     from utils.errors import UserError
-    from utils.fsdp import shard_on_cpu
+    from utils.run.fsdp import shard_on_cpu
 
     monkeypatch.setitem(PartialState._shared_state, "distributed_type", DistributedType.MULTI_CPU)
 
@@ -297,11 +297,11 @@ def test_fsdp_on_cpu_refuses_what_it_cannot_shard_in_one_line(monkeypatch, env, 
 def test_auto_find_batch_size_is_refused_under_fsdp():
     from accelerate.utils import DistributedType
 
-    from utils.batch_size import fit_batch_size
     from utils.errors import UserError
+    from utils.run.batch_size import fit_batch_size
 
     with pytest.raises(UserError, match="--auto_find_batch_size .* under FSDP"):
-        fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None)
+        fit_batch_size(SimpleNamespace(distributed_type=DistributedType.FSDP), None, None, None, None, None)
 
 
 def test_the_reason_bf16_is_refused_on_cpu_processes_still_holds():

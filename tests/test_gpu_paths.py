@@ -28,7 +28,7 @@ from helpers import (
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 
-from utils.image_data import normalise_on_device
+from utils.data.device_input import normalise_on_device
 from utils.models import ConvNet
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -140,7 +140,7 @@ def test_resnet50_fp16_channels_last_on_gpu(extra, tmp_path, record_property):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "contiguous"])
 def test_the_uint8_batch_becomes_the_mixed_precision_input_on_the_gpu_in_one_copy(dtype, channels_last):
-    """The image script's device-side normalisation (utils/image_data.py) of a batch as the workers stack it
+    """The image script's device-side normalisation (utils/data/device_input.py) of a batch as the workers stack it
     (collate_images: channels-last uint8): the only new memory is the output, in the layout the model wants."""
     batch = torch.randint(0, 256, (64, 3, 224, 224), dtype=torch.uint8, device="cuda")
     batch = batch.contiguous(memory_format=torch.channels_last)

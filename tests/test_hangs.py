@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import REPO, error_lines, launch_in_background, make_synthetic_mnist, training_processes, wait_for_path
 
-from utils.hangs import collective_failure
+from utils.run.hangs import collective_failure
 
 # Once a process has failed, torchrun's agent sends the others SIGTERM and, this many seconds later,
 # SIGKILL (a SIGSTOPped process only dies of that). Fixed in torch 2.14's agent (_stop_workers):
@@ -115,19 +115,17 @@ def test_other_errors_pass_through():
 
 
 def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
-    """Both scripts run main() inside collective_timeouts_named(args): loading a checkpoint, --eval_only's
+    """Both scripts run main() inside collective_timeouts_named(args.ddp_timeout): loading a checkpoint, --eval_only's
     evaluation and the final save hang in collectives too."""
-    import argparse
 
     import pytest
 
     from utils.errors import UserError
-    from utils.hangs import collective_timeouts_named
+    from utils.run.hangs import collective_timeouts_named
 
-    args = argparse.Namespace(ddp_timeout=5)
     with pytest.raises(UserError, match=r"timed out after --ddp_timeout 5 s, outside the training loop \(starting, "
                                         r"loading a checkpoint, evaluating or saving\): another process"):
-        with collective_timeouts_named(args):
+        with collective_timeouts_named(5):
             raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
                                "5000ms for recv operation to complete")
     for script in ("train_mnist.py", "train_image_classifier.py"):
@@ -136,16 +134,16 @@ def test_a_timeout_outside_the_training_loop_is_one_line_naming_the_phase():
 
 def main_runs_inside_collective_timeouts_named(script) -> bool:
     """The script's `if __name__ == "__main__":` block calls main(args) inside a `with` that holds
-    collective_timeouts_named(args) (alone or beside other context managers, as one_training_at_a_time)."""
+    collective_timeouts_named(args.ddp_timeout) (alone or beside other context managers, as one_training_at_a_time)."""
     import ast
 
-    def is_call(node, name) -> bool:
+    def is_call(node, name, args) -> bool:
         return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
-                and [ast.unparse(arg) for arg in node.args] == ["args"])
+                and [ast.unparse(arg) for arg in node.args] == [args])
 
     (main_block,) = [node for node in ast.parse(Path(script).read_text()).body
                      if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"]
-    return any(isinstance(node, ast.With) and any(is_call(item.context_expr, "collective_timeouts_named")
-                                                  for item in node.items)
-               and any(is_call(inner, "main") for statement in node.body for inner in ast.walk(statement))
+    return any(isinstance(node, ast.With)
+               and any(is_call(item.context_expr, "collective_timeouts_named", "args.ddp_timeout") for item in node.items)
+               and any(is_call(inner, "main", "args") for statement in node.body for inner in ast.walk(statement))
                for node in ast.walk(main_block))

@@ -31,11 +31,13 @@ from image_data import (
 from datasets import Image
 from safetensors.torch import load_file
 
+from utils.data.image_dataset import TransformedImages
+from utils.data.image_loading import load_image_datasets
+from utils.data.recipes import eval_transform, train_transform
 from utils.errors import UserError
 from utils.metrics import load_metric
-from utils.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient
-from utils.image_data import TransformedImages, eval_transform, load_image_datasets, train_transform
 from utils.models import build_model
+from utils.run.ddp_diagnosis import is_unused_parameter_error, parameters_without_gradient
 
 SCRIPT = REPO / "scripts" / "train_image_classifier.py"
 PROBE = REPO / "tests" / "image_data.py"

@@ -1,6 +1,6 @@
-"""Every image mode PIL opens becomes the RGB a viewer shows (utils/image_modes.py), in every path that decodes images:
-the map-style dataset, the stream and scripts/predict.py's inputs. Issue 29: 16-bit greyscale PNGs trained as white
-blobs (PIL's convert clips them) and black ink on a transparent background decoded all black.
+"""Every image mode PIL opens becomes the RGB a viewer shows (utils/data/image_modes.py), in every path that decodes
+images: the map-style dataset, the stream and scripts/predict.py's inputs. Issue 29: 16-bit greyscale PNGs trained as
+white blobs (PIL's convert clips them) and black ink on a transparent background decoded all black.
 
 Each generated file is 8x8 px, its left half one value and its right half another; the expected RGB of each half is
 what an image viewer shows (transparent: the white page behind it)."""
@@ -13,9 +13,11 @@ import simplejpeg
 import torch
 from PIL import Image
 
-from utils.image_data import TransformedImages, decode_rgb, eval_transform
-from utils.predictions import TrainedRun, read_inputs
-from utils.streaming import StreamedImages
+from utils.data.decoding import decode_rgb
+from utils.data.image_dataset import TransformedImages
+from utils.data.recipes import eval_transform
+from utils.data.streaming import StreamedImages
+from utils.report.predictions import TrainedRun, read_inputs
 
 SIZE = 8
 WHITE, BLACK, RED = (255, 255, 255), (0, 0, 0), (255, 0, 0)

@@ -10,9 +10,9 @@ from helpers import MNIST_10K, REPO, launch, requires_mnist_10k, results
 from PIL import Image
 from torchvision.transforms import v2
 
-from utils.data import load_mnist_idx
+from utils.data.mnist import load_mnist_idx
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform
 from utils.errors import UserError
-from utils.image_data import default_hflip, eval_transform, resolve_augmentation, train_transform
 from utils.models import build_model, stem_of
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -42,7 +42,7 @@ def square_on_black(size=32, side=16, left_half_only=False):
     pixels = np.zeros((size, size, 3), dtype=np.uint8)
     start = (size - side) // 2
     pixels[start:start + side, start:start + (side // 2 if left_half_only else side)] = 255
-    return torch.from_numpy(pixels).permute(2, 0, 1)  # as utils.image_data.decode_rgb gives it
+    return torch.from_numpy(pixels).permute(2, 0, 1)  # as utils.data.decoding.decode_rgb gives it
 
 
 def bright(tensor):

@@ -1,4 +1,4 @@
-"""The image input pipeline (utils/image_data.py): the workers decode file bytes straight into uint8 tensors and
+"""The image input pipeline (utils/data/): the workers decode file bytes straight into uint8 tensors and
 crop, resize and flip them as uint8; the device normalises. Decoding must give PIL's pixels in every image mode,
 and the device-side normalisation what the float pipeline gave, in one copy."""
 
@@ -11,21 +11,12 @@ import torch
 from PIL import ExifTags, Image
 from torchvision.transforms import v2
 
+from utils.data.decoding import decode_rgb, reduction_for, region_scaled
+from utils.data.device_input import IMAGENET_MEAN, IMAGENET_STD, normalise_on_device
+from utils.data.image_dataset import TransformedImages, collate_images, decode_and_transform
+from utils.data.image_loading import load_image_datasets
+from utils.data.recipes import eval_transform, train_transform
 from utils.errors import UserError
-from utils.image_data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    TransformedImages,
-    _region_scaled,
-    collate_images,
-    decode_and_transform,
-    decode_rgb,
-    eval_transform,
-    load_image_datasets,
-    normalise_on_device,
-    reduction_for,
-    train_transform,
-)
 
 RNG = np.random.default_rng(0)
 PHOTO = Image.fromarray(RNG.integers(0, 256, (30, 40, 3), dtype=np.uint8))
@@ -240,7 +231,7 @@ def test_a_region_scales_to_the_reduced_decode_by_each_sides_own_factor():
         for top in range(0, size[0] // 2, 3):
             for left in range(0, size[1] // 2, 37):
                 region = {"top": top, "left": left, "height": size[0] // 2 - 9, "width": size[1] // 2 - 9}
-                scaled = _region_scaled(region, size, shape)
+                scaled = region_scaled(region, size, shape)
                 assert abs(scaled["top"] - top * scale_y) <= 0.5 and abs(scaled["left"] - left * scale_x) <= 0.5
                 assert abs(scaled["height"] - region["height"] * scale_y) <= 0.5
                 assert abs(scaled["width"] - region["width"] * scale_x) <= 0.5

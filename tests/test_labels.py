@@ -1,12 +1,12 @@
-"""utils/labels.py: one class order for plain label columns, numbers in numeric order, the same ids in every split.
+"""utils/data/labels.py: one class order for plain label columns, numbers in numeric order, the same ids in every split.
 End to end (12 webdataset classes, streamed and not, and predict.py): tests/test_streaming.py."""
 
 import datasets
 import pytest
 
+from utils.data.image_loading import load_image_datasets
+from utils.data.labels import encode_labels, sorted_label_values
 from utils.errors import UserError
-from utils.image_data import load_image_datasets
-from utils.labels import encode_labels, sorted_label_values
 
 
 def test_numbers_sort_as_numbers_and_strings_as_strings():

@@ -1,6 +1,6 @@
 """A launch that asked for several processes but started one stops before training, with one line
 naming the fix. accelerate's one-process launcher (a MULTI_CPU config without mpirun, `--num_processes 2`
-without --multi_gpu) passes the count to nobody; utils/launch_checks.py reads it from the launcher's
+without --multi_gpu) passes the count to nobody; utils/launch/launch_checks.py reads it from the launcher's
 own command line and config."""
 
 import sys
@@ -9,7 +9,7 @@ import pytest
 import yaml
 from helpers import TRAIN_MNIST, assert_clean_user_error, run
 
-from utils.launch_checks import _accelerate_launch_args
+from utils.launch.launch_checks import _accelerate_launch_args
 
 # What `accelerate config` writes for "This machine, multi-CPU, 1 machine, 2 processes", no mpirun
 # (docs/migration_guide.md's answers; tests/test_accelerate_config_questionnaire.py runs the questionnaire).

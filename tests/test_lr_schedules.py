@@ -2,7 +2,6 @@
 real runs of both scripts the schedule counted in optimizer steps (2 processes, gradient accumulation), ending
 where its shape says, recorded in run.json."""
 
-import argparse
 import json
 import math
 
@@ -11,8 +10,9 @@ import torch
 from helpers import REPO, launch, load_script, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
-from utils.flags import LR_SCHEDULER_TYPES
-from utils.optim import build_lr_scheduler, build_optimizer
+from utils.launch.flags import LR_SCHEDULER_TYPES
+from utils.run.optim import build_lr_scheduler, build_optimizer
+from utils.run.steps import StepPlan
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PEAK, TOTAL = 0.5, 40
@@ -21,8 +21,8 @@ PEAK, TOTAL = 0.5, 40
 def learning_rates(name, warmup_steps=None, warmup_epochs=None, steps_per_epoch=10, total=TOTAL) -> list:
     """The learning rate of each of `total` optimizer steps."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK, momentum=0.9)
-    args = argparse.Namespace(lr_scheduler_type=name, warmup_steps=warmup_steps, warmup_epochs=warmup_epochs)
-    scheduler = build_lr_scheduler(optimizer, args, steps_per_epoch, total)
+    plan = StepPlan(steps_per_epoch, max_steps=total)
+    scheduler = build_lr_scheduler(optimizer, name, plan, warmup_steps, warmup_epochs)
     rates = []
     for _ in range(total):
         rates.append(optimizer.param_groups[0]["lr"])

@@ -10,15 +10,17 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, launcher_args, load_script, results, run
+from helpers import REPO, launcher_args, load_script, results, run, run_folder_of
 from image_data import make_split_image_folder
 
-from utils.checkpoints import TrainingProgress, read_training_state
+from utils.data.image_dataset import TransformedImages
+from utils.data.image_loading import load_image_datasets
+from utils.data.mixing import MixedImages
+from utils.data.recipes import train_transform
 from utils.errors import UserError
-from utils.image_data import TransformedImages, load_image_datasets, train_transform
-from utils.mixing import MixedImages
-from utils.results import RunningLoss, accuracy_credit
-from utils.run_folder import check_output_dir
+from utils.report.meters import RunningLoss, accuracy_credit
+from utils.run.progress import TrainingProgress, read_training_state
+from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 RECORDER = REPO / "tests" / "sample_recorder.py"
@@ -306,7 +308,7 @@ def test_a_resume_that_changes_adds_or_drops_mixing_is_refused(runs, tmp_path):
 
     def check(checkpoint, *flags):
         args = script.parse_args([*same, "--output_dir", str(checkpoint.parent), *flags])
-        check_output_dir(script.describe_run(args), checkpoint, args)
+        check_output_dir(run_folder_of(script, args), checkpoint, args.resume_from_checkpoint)
 
     check(runs / "p2" / "step_6", *MIXING)  # its own flags: accepted
     for mixing, differences in ((["--mixup_alpha", "0.5", "--cutmix_alpha", "1.0"],
@@ -333,7 +335,7 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(fo
     from safetensors.torch import load_file
     from sample_recorder import digest_of, tiny_cnn
 
-    from utils.image_data import normalise_on_device
+    from utils.data.device_input import normalise_on_device
 
     out, log = tmp_path / "out", tmp_path / "samples.log"
     args = ["--data_dir", str(folder), "--output_dir", str(out), "--model", "tests.sample_recorder:tiny_cnn",

@@ -4,7 +4,6 @@ bit, written as model_ema.safetensors, selectable for best/ and by predict.py's 
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
 under --compile."""
 
-import argparse
 import csv
 import json
 import re
@@ -21,17 +20,18 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
+    run_folder_of,
 )
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
 
-from utils.data import load_mnist_idx, to_tensor_dataset
-from utils.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
+from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
 from utils.models import ConvNet
-from utils.predictions import EMA_WEIGHTS, read_trained_run
-from utils.run_folder import check_output_dir
+from utils.report.predictions import EMA_WEIGHTS, read_trained_run
+from utils.run.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
+from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
@@ -151,7 +151,7 @@ def test_every_process_holds_the_same_average_updated_once_per_optimizer_step(wi
     assert r["ema_updates"] == STEPS  # not once per batch: 2 batches per step
     assert (r["model_ema_decay"], r["model_ema_warmup"]) == (0.9998, True)
     assert len(r["ema_parameter_fingerprints"]) == 2 and len(set(r["ema_parameter_fingerprints"])) == 1
-    assert len(set(r["ema_buffer_fingerprints"])) == 1  # BatchNorm statistics: rank 0's on both, see utils/ema.py
+    assert len(set(r["ema_buffer_fingerprints"])) == 1  # BatchNorm statistics: rank 0's on both, see utils/run/ema.py
     assert r["ema_parameter_fingerprints"] != r["parameter_fingerprints"]  # an average, not the last weights
     assert 0 < r["eval_ema_loss"] != r["eval_loss"] and 0 < r["eval_ema_accuracy"] <= 1
     assert "averages over about" not in log  # no warning: the warmup suits a 20-step run
@@ -251,25 +251,24 @@ def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_wi
 
 
 def test_a_checkpoint_and_the_flags_that_disagree_about_the_average_are_one_line(with_ema, without_ema, digits):
-    no = argparse.Namespace(model_ema=False)
     with pytest.raises(UserError, match="step_7 holds a --model_ema average: add --model_ema to load it too"):
-        build_model_ema(None, None, with_ema[0] / "step_7", no, STEPS)  # --eval_only of it, say
+        build_model_ema(None, None, with_ema[0] / "step_7", STEPS, False, None, False)  # --eval_only of it, say
     with pytest.raises(UserError, match=r"step_7 holds no --model_ema average .*; drop --model_ema"):
-        build_model_ema(None, None, without_ema / "step_7", argparse.Namespace(model_ema=True), STEPS)
+        build_model_ema(None, None, without_ema / "step_7", STEPS, True, None, False)
     # a resume with another decay (or with or without --model_ema): run.json differs
     mnist = load_script(TRAIN_MNIST)
     args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(with_ema[0]), "--model_ema",
                              "--model_ema_decay", "0.99", "--model_ema_warmup"])
     with pytest.raises(UserError, match=r"model_ema_decay 0.9998 -> 0.99\)"):
-        check_output_dir(mnist.describe_run(args), with_ema[0] / "step_7", args)
+        check_output_dir(run_folder_of(mnist, args), with_ema[0] / "step_7", args.resume_from_checkpoint)
     # a resume that drops --model_ema (the checkpoint's run.json has keys this run lacks), or adds it
     for out, ema_flags, difference in ((with_ema[0], [], "model_ema_decay 0.9998 -> None"),
                                        (without_ema, ["--model_ema"], "model_ema_decay None -> 0.9998")):
         args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(out), *ema_flags])
         with pytest.raises(UserError, match=difference):
-            check_output_dir(mnist.describe_run(args), out / "step_7", args)
+            check_output_dir(run_folder_of(mnist, args), out / "step_7", args.resume_from_checkpoint)
     args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(without_ema)])
-    check_output_dir(mnist.describe_run(args), without_ema / "step_7", args)  # its own flags: accepted
+    check_output_dir(run_folder_of(mnist, args), without_ema / "step_7", args.resume_from_checkpoint)  # accepted
 
 
 # ---------------------------------------------------------------- train_image_classifier.py under --compile

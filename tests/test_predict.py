@@ -17,10 +17,10 @@ from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist,
 from image_data import make_split_image_folder
 from torch.utils.data import DataLoader, TensorDataset
 
-from utils.data import load_mnist_idx
+from utils.data.mnist import load_mnist_idx
 from utils.errors import UserError
-from utils.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
-from utils.results import check_writable_file, write_text_atomically
+from utils.files import check_writable_file, write_text_atomically
+from utils.report.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -260,7 +260,9 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     from safetensors.torch import load_file
     from sample_recorder import tiny_cnn
 
-    from utils.image_data import decode_rgb, eval_transform, normalise_on_device
+    from utils.data.decoding import decode_rgb
+    from utils.data.device_input import normalise_on_device
+    from utils.data.recipes import eval_transform
 
     data, out = image_run
     path = tmp_path / "model.onnx"
@@ -300,7 +302,7 @@ def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_p
     import onnxruntime
     from safetensors.torch import load_file
 
-    from utils.data import normalise_mnist
+    from utils.data.mnist import normalise_mnist
     from utils.models import ConvNet
 
     data, out = mnist_run

@@ -31,8 +31,8 @@ from helpers import (
 )
 
 from utils.errors import UserError
-from utils.launch_checks import check_enough_devices
-from utils.run_folder import one_training_at_a_time
+from utils.launch.launch_checks import check_enough_devices
+from utils.run.run_folder import one_training_at_a_time
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
 

@@ -11,7 +11,8 @@ from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, Ski
 from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
-from utils.checkpoints import TrainingProgress, batches_to_skip
+from utils.run.progress import TrainingProgress
+from utils.run.resume import batches_to_skip
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 # 720 digits; 2 processes x 24 per batch x 3 accumulation steps = 144 samples per optimizer step:

@@ -8,12 +8,22 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, results, snapshot
+from helpers import (
+    REPO,
+    TRAIN_MNIST,
+    assert_clean_user_error,
+    error_lines,
+    launch,
+    load_script,
+    results,
+    run_folder_of,
+    snapshot,
+)
 from image_data import make_split_image_folder
 
-from utils.checkpoints import resolve_checkpoint
 from utils.errors import UserError
-from utils.run_folder import check_output_dir
+from utils.run.resume import resolve_checkpoint
+from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 TINY = ["--epochs", "1", "--max_train_samples", "64", "--max_eval_samples", "64", "--batch_size", "16"]
@@ -125,7 +135,7 @@ def test_a_finished_run_is_left_as_it_is_by_its_own_command_and_refused_to_anoth
     args = mnist.parse_args(["--data_dir", str(synthetic_mnist), "--output_dir", str(only_best), *map(str, TINY),
                              "--seed", "7", "--resume_from_checkpoint", "latest"])
     with pytest.raises(UserError, match=r"already holds another run's files \(best\) of other flags: seed 42 -> 7"):
-        check_output_dir(mnist.describe_run(args), None, args)
+        check_output_dir(run_folder_of(mnist, args), None, args.resume_from_checkpoint)
 
     # --overwrite_output_dir: nothing of the old run is left, best/ included
     launch([*plain_run, "--learning_rate", "1e-3", "--overwrite_output_dir"])
@@ -174,7 +184,7 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
 
 
 def test_overwrite_output_dir_and_resume_are_one_line_together(capsys):
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
     for checkpoint in ("latest", "outputs/step_4"):  # 'latest', or a checkpoint by name

@@ -16,8 +16,8 @@ import pytest
 from helpers import REPO, STOPPED_BY_SIGNAL, make_synthetic_mnist, results, training_processes
 from slurm_cluster import CPUS_PER_NODE, ENDED, GPUS_PER_NODE, NODES, start_cluster
 
-from utils.checkpoints import find_latest_checkpoint
-from utils.fsdp import BF16_ON_CPU
+from utils.run.checkpoints import find_latest_checkpoint
+from utils.run.fsdp import BF16_ON_CPU
 
 SLURM_DIR = REPO / "scripts" / "slurm"
 SHELL_SCRIPTS = sorted(p.relative_to(REPO) for p in [*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
@@ -372,7 +372,7 @@ def test_multinode_fsdp_job_gives_every_node_the_fsdp_launch(cluster, data, tmp_
     """The README's FSDP example, submit_multinode.sbatch with ACCELERATE_CONFIG=accelerate_configs/fsdp.yaml, on
     this CPU cluster: the allocation's counts override the YAML's 1 machine x 8 processes, and the processes
     on both nodes get the FSDP launch, which with the batch script's --cpu would shard over the CPU processes
-    (utils/fsdp.py), but in the YAML's bf16, which they refuse on CPUs in one line instead of failing inside."""
+    (utils/run/fsdp.py), but in the YAML's bf16, which they refuse on CPUs in one line instead of failing inside."""
     job_id = submit(cluster, tmp_path, 1, "submit_multinode.sbatch", script_args(data, tmp_path / "out"),
                     env={"ACCELERATE_CONFIG": "accelerate_configs/fsdp.yaml", "MAX_RESTARTS": "0"})
     exit_code = cluster.wait_for_job(job_id, timeout=180)

@@ -7,7 +7,7 @@ import pytest
 from helpers import REPO, launch, results
 from image_data import make_flat_image_folder
 
-from utils.flags import default_num_workers
+from utils.launch.flags import default_num_workers
 
 IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 

@@ -9,15 +9,14 @@ import dataclasses
 import json
 import re
 import shutil
-from argparse import Namespace
 
 import pytest
 from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
 
-from utils.checkpoints import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
-from utils.flags import HIGHER_IS_BETTER
-from utils.steps import StepPlan
+from utils.launch.flags import HIGHER_IS_BETTER
+from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.steps import StepPlan
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 # 64 digits, 2 processes x 8: 4 optimizer steps of 16 samples per epoch; 7 steps end 3 steps into the second epoch
@@ -50,16 +49,15 @@ def seven_steps(digits, tmp_path_factory):
 
 
 def test_the_plan_counts_the_run_and_its_evaluations_in_optimizer_steps():
-    args = Namespace(epochs=3, max_steps=None, eval_steps=None, logging_steps=None, early_stopping_patience=None)
-    by_epochs = StepPlan.of(args, steps_per_epoch=4)
+    by_epochs = StepPlan.of(steps_per_epoch=4, epochs=3)
     assert (by_epochs.max_steps, by_epochs.epochs) == (12, 3)
     assert [s for s in range(1, 13) if by_epochs.evaluation_due(s)] == []  # at the epochs' ends only
     assert by_epochs.evaluation_due(5, epoch_end=True) and not by_epochs.logging_due(4)
-    plan = StepPlan.of(Namespace(**{**vars(args), "max_steps": 7, "eval_steps": 3, "logging_steps": 2}), 4)
+    plan = StepPlan.of(4, epochs=3, max_steps=7, eval_steps=3, logging_steps=2)
     assert (plan.max_steps, plan.epochs) == (7, 2)  # --max_steps overrides --epochs, as the Trainer
     assert [s for s in range(1, 8) if plan.evaluation_due(s)] == [3, 6]
     assert [s for s in (4, 6, 7) if plan.evaluation_due(s, epoch_end=True)] == [7]  # the end, not an eval step
-    assert not StepPlan.of(Namespace(**{**vars(args), "max_steps": 6, "eval_steps": 3}), 4).evaluation_due(6, True)
+    assert not StepPlan.of(4, epochs=3, max_steps=6, eval_steps=3).evaluation_due(6, True)
     assert [s for s in range(1, 8) if plan.logging_due(s)] == [2, 4, 6]
     patient = dataclasses.replace(plan, early_stopping_patience=2)
     assert not patient.training_over(TrainingProgress(global_step=6, evaluations_without_improvement=1))

@@ -1,5 +1,5 @@
-"""train_image_classifier.py --streaming (utils/streaming.py): webdataset tar shards and parquet files of uneven sizes,
-read as this process's part of a shuffled stream. Every process takes the same optimizer steps (no hang when one
+"""train_image_classifier.py --streaming (utils/data/streaming.py): webdataset tar shards and parquet files of uneven
+sizes, read as this process's part of a shuffled stream. Every process takes the same optimizer steps (no hang when one
 process's part runs out first), each image is trained at most once per epoch, a run resumed from a checkpoint inside
 an epoch ends with the uninterrupted run's weights, and evaluation stays exact.
 
@@ -78,8 +78,8 @@ def test_a_streamed_images_augmentation_depends_on_seed_epoch_and_its_bytes_only
     the same way in the same epoch, whatever was drawn before, and anew in the next epoch."""
     import torch
 
-    from utils.image_data import train_transform
-    from utils.streaming import StreamedImages
+    from utils.data.recipes import train_transform
+    from utils.data.streaming import StreamedImages
 
     class Stream:  # what StreamedImages needs of a datasets stream here
         def set_epoch(self, epoch):

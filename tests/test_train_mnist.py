@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import MNIST_10K, launch, requires_mnist_10k, results, tensorboard_scalars
 from safetensors.torch import load_file
 
-from utils.data import load_mnist_idx, to_tensor_dataset
+from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.models import ConvNet
 
 # ---------------------------------------------------------------- real digits (mnist-10k)

@@ -12,7 +12,7 @@ from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
 
-from utils.results import GradNorms
+from utils.report.meters import GradNorms
 
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PATIENCE = 1
@@ -107,7 +107,7 @@ def test_profile_writes_one_trace_per_process_and_prints_the_top_operators(early
 
 
 def test_resume_from_best_without_eval_only_is_one_line(capsys):
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
     with pytest.raises(SystemExit):
@@ -118,7 +118,7 @@ def test_resume_from_best_without_eval_only_is_one_line(capsys):
 
 
 def test_early_stopping_alone_watches_the_eval_loss_as_the_trainer():
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
     for flags, metric in ((["--early_stopping_patience", "2"], "eval_loss"),
@@ -132,7 +132,7 @@ def test_early_stopping_alone_watches_the_eval_loss_as_the_trainer():
 def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
     import importlib.util
 
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
@@ -146,7 +146,7 @@ def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
 
 
 def test_with_tracking_is_report_to_tensorboard_and_all_is_every_installed_tracker():
-    from utils.flags import build_mnist_parser, check_flag_combinations
+    from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
     for argv, expected in ((["--with_tracking"], ["tensorboard"]), ([], []),
@@ -211,9 +211,9 @@ def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batc
 def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
     from accelerate import Accelerator
 
-    from utils.batch_size import fit_batch_size
     from utils.errors import UserError
-    from utils.flags import build_mnist_parser
+    from utils.launch.flags import build_mnist_parser
+    from utils.run.batch_size import fit_batch_size
 
     args = build_mnist_parser("test").parse_args(["--batch_size", "8", "--cpu"])
     accelerator = Accelerator(cpu=True)
@@ -221,7 +221,7 @@ def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
     optimizer = torch.optim.AdamW(model.parameters())
     dataset = [(torch.zeros(3, 8, 8), 0)] * 4
     with pytest.raises(UserError, match="even a batch of 1 runs out of memory"):
-        fit_batch_size(accelerator, model, optimizer, dataset, args)
+        fit_batch_size(accelerator, model, optimizer, dataset, args.batch_size, args.gradient_accumulation_steps)
     assert args.batch_size == 8  # the helper returns its choice; it never rewrites the flags
 
 
@@ -230,8 +230,8 @@ def test_auto_find_batch_size_takes_the_smallest_size_any_process_fits_and_undoe
     accumulation that keeps 32 x 2 per process; the probe's step leaves neither weights nor optimizer state behind."""
     from accelerate import Accelerator
 
-    from utils.batch_size import fit_batch_size
-    from utils.flags import build_mnist_parser
+    from utils.launch.flags import build_mnist_parser
+    from utils.run.batch_size import fit_batch_size
 
     args = build_mnist_parser("test").parse_args(["--batch_size", "32", "--gradient_accumulation_steps", "2", "--cpu"])
     accelerator = Accelerator(cpu=True)
@@ -240,7 +240,7 @@ def test_auto_find_batch_size_takes_the_smallest_size_any_process_fits_and_undoe
     weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.AdamW(model.parameters())
     dataset = [(torch.rand(3, 8, 8), i % 10) for i in range(40)]
-    assert fit_batch_size(accelerator, model, optimizer, dataset, args) == (8, 32 * 2 // 8)
+    assert fit_batch_size(accelerator, model, optimizer, dataset, args.batch_size, 2) == (8, 32 * 2 // 8)
     assert not optimizer.state  # no Adam moments or step count from the probe
     assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
 

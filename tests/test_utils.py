@@ -13,19 +13,14 @@ import pytest
 import torch
 from helpers import make_synthetic_mnist, write_idx
 
-from utils.checkpoints import (
-    TRAINING_STATE,
-    TrainingProgress,
-    find_latest_checkpoint,
-    list_checkpoints,
-    read_training_state,
-)
-from utils.data import MNIST_MEAN, MNIST_STD, load_mnist_idx, to_tensor_dataset
+from utils.data.mnist import MNIST_MEAN, MNIST_STD, load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
 from utils.metrics import load_metric
 from utils.models import ConvNet
-from utils.results import fingerprint
-from utils.signals import ignore_stop_signals
+from utils.run.checkpoints import find_latest_checkpoint, list_checkpoints
+from utils.run.fingerprints import fingerprint
+from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.signals import ignore_stop_signals
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +141,10 @@ def test_throughput_counts_only_the_batches_after_the_warm_up_and_no_paused_time
     """A clock that reads 0, 1, 2, ... s: 5 batches of 10 samples, 1 s each, the first 2 warm-up; a pause (a
     checkpoint) from 6 s to 7 s; one more batch. Training time: 7 s (all but the paused second); steady: the 4 batches
     after the warm-up, 40 samples in 5 s (the second before the pause included)."""
-    from utils.results import ThroughputMeter
+    from utils.report.meters import ThroughputMeter
 
     clock = iter(range(100))
-    monkeypatch.setattr("utils.results.time.perf_counter", lambda: next(clock))
+    monkeypatch.setattr("utils.report.meters.time.perf_counter", lambda: next(clock))
     meter = ThroughputMeter(torch.device("cpu"), warmup_batches=2)
     meter.start()  # 0
     for _ in range(5):  # 1 ... 5

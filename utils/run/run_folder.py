@@ -14,6 +14,7 @@ it stuck.
 """
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import json
@@ -26,19 +27,16 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from utils.checkpoints import BEST, CHECKPOINT_NAME, TMP_PREFIX, TRAINING_STATE, TrainingProgress, list_checkpoints
-from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError
-from utils.results import (
-    EVAL_RESULTS,
-    RESUMABLE_KEYS,
-    RUN_RECORD,
-    create_output_dir,
-    read_run_record,
-    write_json_atomically,
-)
+from utils.files import create_output_dir, write_json_atomically
+from utils.run.best import BEST
+from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints
+from utils.run.ema import EMA_WEIGHTS
+from utils.run.progress import TRAINING_STATE, TrainingProgress
+from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 RESULTS = "results.json"
+EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
 LOCK = "run.lock"  # empty while no training holds it; "pid P on HOST since TIME" while one does
 # What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
 RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, RESULTS, EVAL_RESULTS)
@@ -52,6 +50,26 @@ def command_record(run: dict, epochs, max_steps, early_stopping_patience) -> dic
     """What a finished run's record must equal for a command to be that run again: `run` (the script's
     describe_run()) and the run's length."""
     return {**run, "epochs": epochs, "max_steps": max_steps, "early_stopping_patience": early_stopping_patience}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFolder:
+    """--output_dir as a command means to use it: for the run `run` (the script's describe_run()) of a length (--epochs,
+    --max_steps, --early_stopping_patience); `overwrite`: --overwrite_output_dir deletes an earlier run's files first;
+    `eval_only`: --eval_only writes eval_results.json only, so the folder is neither checked nor recorded."""
+
+    path: Path
+    run: dict
+    epochs: int
+    max_steps: int | None = None
+    early_stopping_patience: int | None = None
+    overwrite: bool = False
+    eval_only: bool = False
+
+    @property
+    def record(self) -> dict:
+        """What a finished run's record must equal for this command to be that run again."""
+        return command_record(self.run, self.epochs, self.max_steps, self.early_stopping_patience)
 
 
 def differences(recorded: dict, expected: dict) -> list:
@@ -90,19 +108,18 @@ def run_files_held(output_dir) -> list:
     return checkpoints + best + files
 
 
-def check_output_dir(run: dict, checkpoint, args) -> None:
+def check_output_dir(folder: RunFolder, checkpoint, resume_from_checkpoint) -> None:
     """Before anything is written (every process reads the same files and decides the same): one --output_dir never
     mixes two runs. The folder's own run, finished (results.json's record equals this command's), passes:
     nothing_left_to_train then says so. A run that does not continue its own checkpoints refuses a folder holding
     another run's files (run_files_held), or this run's checkpoints without --resume_from_checkpoint latest; a
     restart with 'latest' before the first good checkpoint passes where the folder's run.json is this run's and it
     has not finished. --overwrite_output_dir passes (start_output_dir deletes the old run). A resume refuses a
-    checkpoint whose run.json differs from `run` (what cannot change: the caller's describe_run()). --eval_only writes
-    only eval_results.json and is not checked."""
-    if args.eval_only or args.overwrite_output_dir:
+    checkpoint whose run.json differs from `folder.run` (what cannot change: the caller's describe_run()). --eval_only
+    writes only eval_results.json and is not checked."""
+    if folder.eval_only or folder.overwrite:
         return
-    output_dir = Path(args.output_dir)
-    record = command_record(run, args.epochs, args.max_steps, args.early_stopping_patience)
+    output_dir, run, record = Path(folder.path), folder.run, folder.record
     if finished_here(output_dir, record):
         return
     continuing_here = checkpoint is not None and Path(checkpoint).resolve().parent == output_dir.resolve()
@@ -113,7 +130,7 @@ def check_output_dir(run: dict, checkpoint, args) -> None:
         recorded = ((results or {}).get("run") or read_run_record(output_dir) or read_run_record(output_dir / BEST)
                     or {})
         changed = differences(recorded, record if results else run)
-        unfinished_restart = (checkpoint is None and args.resume_from_checkpoint == "latest" and not changed
+        unfinished_restart = (checkpoint is None and resume_from_checkpoint == "latest" and not changed
                               and results is None and not (output_dir / "model.safetensors").exists())
         if not unfinished_restart:
             raise UserError(refusal(output_dir, held, changed, checkpoint, finished=results is not None))
@@ -145,14 +162,15 @@ def refusal(output_dir: Path, held: list, changed: list, checkpoint, finished: b
             f"{' of other flags: ' + '; '.join(changed) if changed else ''}; {fix}")
 
 
-def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
+def start_output_dir(folder: RunFolder, progress: TrainingProgress, batch_size: int, accumulation: int) -> None:
     """Main process, once data, model and checkpoint are known good: creates --output_dir. --overwrite_output_dir
     first deletes what an earlier run left there (checkpoints, best/, .tmp-* folders, RUN_FILES), so that
-    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `run` plus what may
-    change on a resume (the process count, the batch split, the run's length where `run` leaves it out, as
-    train_image_classifier.py's does), which its checkpoints copy and its results.json carries."""
-    output_dir = Path(args.output_dir)
-    if args.overwrite_output_dir and output_dir.is_dir():
+    'latest' can never pick it up. Then a training run records itself in OUTPUT_DIR/run.json: `folder.run` plus what
+    may change on a resume (the process count, the batch split: `batch_size` per process, `accumulation` steps, the
+    run's length where `run` leaves it out, as train_image_classifier.py's does), which its checkpoints copy and its
+    results.json carries."""
+    output_dir = Path(folder.path)
+    if folder.overwrite and output_dir.is_dir():
         deleted = []
         for path in sorted(output_dir.iterdir()):
             if CHECKPOINT_NAME.match(path.name) or path.name == BEST or path.name.startswith(TMP_PREFIX):
@@ -165,17 +183,17 @@ def start_output_dir(args, run: dict, progress: TrainingProgress) -> None:
         if deleted:
             logger.info(f"--overwrite_output_dir: deleted {', '.join(deleted)} in {output_dir}", main_process_only=True)
     create_output_dir(output_dir)
-    if not args.eval_only:
+    if not folder.eval_only:
         write_json_atomically(output_dir / RUN_RECORD, {
-            **command_record(run, args.epochs, args.max_steps, args.early_stopping_patience),
+            **folder.record,
             "num_processes": progress.num_processes,
-            "batch_size_per_process": args.batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "batch_size_per_process": batch_size,
+            "gradient_accumulation_steps": accumulation,
             "global_batch_size": progress.global_batch_size,
         })
 
 
-def nothing_left_to_train(run: dict, progress: TrainingProgress, checkpoint, args) -> bool:
+def nothing_left_to_train(folder: RunFolder, progress: TrainingProgress, checkpoint, metric_for_best) -> bool:
     """Whether this command has nothing to train: says so in one line (main process), and the caller then ends with
     status 0 and writes nothing, so model.safetensors, results.json and run.json stay those of the run that trained
     them (a finished run started again by a restart loop, a requeue or a sweep).
@@ -186,35 +204,34 @@ def nothing_left_to_train(run: dict, progress: TrainingProgress, checkpoint, arg
     done, or --early_stopping_patience spent (with train_image_classifier.py also a lower --epochs or --max_steps).
     A checkpoint saved after the last step but before the end of its epoch (--checkpointing_steps N, a signal) still
     has that end to do, the final evaluation and the report, unless results.json says it was done."""
-    if args.eval_only or args.overwrite_output_dir:
+    if folder.eval_only or folder.overwrite:
         return False
-    if checkpoint is not None and checkpoint_is_at_the_end(progress, checkpoint, args):
+    if checkpoint is not None and checkpoint_is_at_the_end(folder, progress, checkpoint, metric_for_best):
         return True
-    results = finished_here(args.output_dir, command_record(run, args.epochs, args.max_steps,
-                                                            args.early_stopping_patience))
+    results = finished_here(folder.path, folder.record)
     if results is None:
         return False
     return say_nothing_left(
-        f"{Path(args.output_dir) / RESULTS} reports this run finished after step {results.get('global_step')}",
+        f"{Path(folder.path) / RESULTS} reports this run finished after step {results.get('global_step')}",
         "train_image_classifier.py continues from the last checkpoint with a higher --epochs or --max_steps; to train "
         "it again, --overwrite_output_dir or another --output_dir")
 
 
-def checkpoint_is_at_the_end(progress: TrainingProgress, checkpoint, args) -> bool:
+def checkpoint_is_at_the_end(folder: RunFolder, progress: TrainingProgress, checkpoint, metric_for_best) -> bool:
     """nothing_left_to_train by the checkpoint resumed from; says so."""
-    ended = progress.samples_in_epoch == 0 or reported_after(args.output_dir, progress.global_step)
-    if args.max_steps is None and progress.epoch >= args.epochs:
-        done = f"has {progress.epoch} epochs done (step {progress.global_step}) and --epochs is {args.epochs}"
+    ended = progress.samples_in_epoch == 0 or reported_after(folder.path, progress.global_step)
+    if folder.max_steps is None and progress.epoch >= folder.epochs:
+        done = f"has {progress.epoch} epochs done (step {progress.global_step}) and --epochs is {folder.epochs}"
         flag = "--epochs"
-    elif args.max_steps is not None and (progress.global_step > args.max_steps or
-                                         progress.global_step == args.max_steps and ended):
-        done = f"has {progress.global_step} optimizer steps done and --max_steps is {args.max_steps}"
+    elif folder.max_steps is not None and (progress.global_step > folder.max_steps or
+                                           progress.global_step == folder.max_steps and ended):
+        done = f"has {progress.global_step} optimizer steps done and --max_steps is {folder.max_steps}"
         flag = "--max_steps"
-    elif ended and args.early_stopping_patience is not None and \
-            progress.evaluations_without_improvement >= args.early_stopping_patience:
-        return say_nothing_left(f"{checkpoint} stopped early: {args.metric_for_best} has not improved for "
+    elif ended and folder.early_stopping_patience is not None and \
+            progress.evaluations_without_improvement >= folder.early_stopping_patience:
+        return say_nothing_left(f"{checkpoint} stopped early: {metric_for_best} has not improved for "
                                 f"{progress.evaluations_without_improvement} evaluations (--early_stopping_patience "
-                                f"{args.early_stopping_patience})", "a higher --early_stopping_patience")
+                                f"{folder.early_stopping_patience})", "a higher --early_stopping_patience")
     else:
         return False
     return say_nothing_left(f"{checkpoint} {done}", f"train_image_classifier.py takes a higher {flag}; "

@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
-from utils.data import load_mnist
-from utils.ema import EMA_WEIGHTS
+from utils.data.image_dataset import TransformedImages
+from utils.data.image_loading import load_image_datasets, load_unlabelled_images
+from utils.data.mnist import load_mnist
+from utils.data.recipes import eval_transform
 from utils.errors import UserError, first_line
-from utils.image_data import TransformedImages, eval_transform, load_image_datasets, load_unlabelled_images
 from utils.models import ConvNet, build_model
-from utils.results import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from utils.run.ema import EMA_WEIGHTS
+from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 WEIGHTS, RESULTS = "model.safetensors", "results.json"
 WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average
@@ -132,7 +134,7 @@ class Inputs:
 def read_inputs(trained: TrainedRun, data_dir=None, dataset=None, split="eval", dataset_config=None,
                 image_column=None, label_column=None) -> Inputs:
     """The inputs as the run's evaluation read them: for MNIST the IDX files (or ylecun/mnist) through
-    utils/data.py; for images an image folder, a Hub or local `datasets` data set, or a flat folder of
+    utils/data/mnist.py; for images an image folder, a Hub or local `datasets` data set, or a flat folder of
     unlabelled images, decoded and resized by training's eval_transform. `split`: eval (what the run evaluated
     on, chosen the same way), train, or all (train, then eval). An input's source is its file, else SPLIT/ROW."""
     splits = {"eval": ["eval"], "train": ["train"], "all": ["train", "eval"]}[split]

@@ -6,18 +6,20 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, find_executable_batch_size
 from torch.utils.data import default_collate
 
-from utils.checkpoints import accumulation_keeping
 from utils.errors import UserError
+from utils.run.resume import accumulation_keeping
 
 logger = get_logger(__name__)
 
 
-def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=None, model_input=None) -> tuple:
-    """Collective; call before the DataLoaders are built and before `prepare`. Returns the largest of
-    --batch_size, half of it, a quarter... with which one training step (forward under the run's autocast,
+def fit_batch_size(accelerator, model, optimizer, dataset, batch_size: int, accumulation: int, keep_progress=None,
+                   model_input=None) -> tuple:
+    """Collective; call before the DataLoaders are built and before `prepare`. Returns the largest of `batch_size`
+    (--batch_size), half of it, a quarter... with which one training step (forward under the run's autocast,
     backward, optimizer step) on real samples does not run out of memory on every process, and the gradient
     accumulation steps that keep the global batch: `keep_progress`'s (a resumed run's checkpoint: it must, or
-    one error line names flags that do), else the flags' where a whole number of steps does. Logs what it chose.
+    one error line names flags that do), else that of `batch_size` x `accumulation` where a whole number of steps
+    does. Logs what it chose.
     The probe's step is undone: weights, BatchNorm statistics and optimizer state are restored.
 
     Each process probes alone, on the unwrapped model (no DDP), then all agree on the smallest fitting size. With
@@ -30,7 +32,7 @@ def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=N
     if accelerator.distributed_type == DistributedType.FSDP:
         raise UserError("--auto_find_batch_size probes a training step of the whole, unsharded model on each process, "
                         "which says nothing of what fits under FSDP: give --batch_size without it under FSDP")
-    requested = args.batch_size
+    requested = batch_size
     model.to(accelerator.device)
     saved_weights = {name: tensor.to("cpu", copy=True) for name, tensor in model.state_dict().items()}
     tried = []
@@ -67,12 +69,12 @@ def fit_batch_size(accelerator, model, optimizer, dataset, args, keep_progress=N
         optimizer.state.clear()  # no moments or step counts from the probe's step
     # [accelerate] the smallest size that fits on every process, so all train with the same batch
     fits = int(accelerator.gather(torch.tensor([fits], device=accelerator.device)).min().item())
-    accumulation, num_processes = args.gradient_accumulation_steps, accelerator.num_processes
+    num_processes = accelerator.num_processes
     if fits == requested:
         logger.info(f"--auto_find_batch_size: --batch_size {requested} fits", main_process_only=True)
         return fits, accumulation
     if keep_progress is not None:
-        accumulation = accumulation_keeping(keep_progress, num_processes, args, batch_size=fits)
+        accumulation = accumulation_keeping(keep_progress, num_processes, fits, accumulation)
     elif (requested * accumulation) % fits == 0:  # where it can, keep the global batch the flags asked for
         accumulation = requested * accumulation // fits
     logger.info(f"--auto_find_batch_size: --batch_size {requested} runs out of memory, {fits} fits (tried "

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from utils.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
+from utils.data.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
+from utils.data.image_dataset import decode_and_transform, image_bytes
+from utils.data.image_loading import EVAL_SPLITS, column_of_type
+from utils.data.labels import class_names_of, encode_labels, sorted_label_values
 from utils.errors import UserError, first_line
-from utils.image_data import EVAL_SPLITS, _column_of_type, decode_and_transform, image_bytes
-from utils.labels import class_names_of, encode_labels, sorted_label_values
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).
@@ -51,8 +52,8 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
                         f"'test' (DIR/train/ and DIR/val/; train-*.parquet and test-*.parquet): a stream cannot be "
                         f"split by --val_split")
     train = splits["train"]
-    image_column = image_column or _column_of_type(train, datasets.Image, "image", source, "--image_column")
-    label_column = label_column or _column_of_type(train, datasets.ClassLabel, "label", source, "--label_column")
+    image_column = image_column or column_of_type(train, datasets.Image, "image", source, "--image_column")
+    label_column = label_column or column_of_type(train, datasets.ClassLabel, "label", source, "--label_column")
     for column, flag in ((image_column, "--image_column"), (label_column, "--label_column")):
         if column not in (train.column_names or []):
             raise UserError(f"{source}: no column {column!r} (columns: {train.column_names}); fix {flag}")
@@ -65,7 +66,7 @@ def load_image_stream(data_dir=None, dataset=None, dataset_config=None, image_co
     if isinstance(train.features[label_column], datasets.ClassLabel):
         class_names = train.features[label_column].names
     else:  # plain integer or string labels: one class per distinct value of the evaluation split (a stream cannot be
-        # read ahead), sorted as without --streaming (integers as numbers: utils/labels.py)
+        # read ahead), sorted as without --streaming (integers as numbers: utils/data/labels.py)
         values = sorted_label_values(eval_split.unique(label_column), source)
         eval_split = encode_labels(eval_split, label_column, values, source, eval_name)
         class_names = class_names_of(values)

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from utils.data.image_dataset import cpu_generator_seeded
 from utils.errors import UserError
-from utils.image_data import cpu_generator_seeded
 
 # Seeds the mixing's draws apart from the augmentations' (seed, epoch, index). Not 0: numpy's SeedSequence pads its
 # entropy with zeros, so [seed, epoch, index, 0] would draw exactly what [seed, epoch, index] draws.
@@ -103,7 +103,7 @@ def mix_pair(transform, seed: int, pair: torch.Tensor) -> tuple:
     """torchvision's `transform` (v2.MixUp or v2.CutMix, num_classes=2) on a (2, C, H, W) pair, its draws from the
     CPU generator seeded with `seed`: (the first image mixed with the second, in the pair's dtype, and lam, the first
     one's weight). v2.MixUp needs float pixels; uint8 comes back rounded, at most half a grey level off, so that the
-    batches stay uint8 up to the device (utils/image_data.py)."""
+    batches stay uint8 up to the device (utils/data/device_input.py)."""
     with cpu_generator_seeded(seed):  # v2's Beta and box draws use the global CPU generator
         # v2 mixes image k with image k - 1; one-hot float64 labels give the first row [lam, 1 - lam], lam exact
         mixed, weights = transform(pair.float(), torch.eye(2, dtype=torch.float64))

@@ -106,7 +106,7 @@ def fsdp_launch() -> bool:
 def check_enough_devices(cpu: bool) -> None:
     """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
     one process per GPU, so a machine cannot run more local processes than it has GPUs; and FSDP
-    only where it can shard: on GPUs, or on CPU processes with --cpu (utils/fsdp.py)."""
+    only where it can shard: on GPUs, or on CPU processes with --cpu (utils/run/fsdp.py)."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,5 +1,5 @@
 """Every image mode PIL opens as the 8-bit RGB an image viewer shows: what training, evaluation and scripts/predict.py
-decode a non-JPEG (or rotated JPEG) file to (utils/image_data.py decode_rgb).
+decode a non-JPEG (or rotated JPEG) file to (utils/data/decoding.py decode_rgb).
 
 PIL's own convert("RGB") does not: it clips 16-bit greyscale to 255 (a 16-bit PNG becomes a white blob) and drops the
 alpha channel, leaving what transparent pixels store (often black: black ink on a transparent background becomes an

@@ -4,7 +4,7 @@
 runs some inconsistent ones without complaint (a `MULTI_CPU` config without mpirun starts
 one process, a `'NO'` config with `num_processes: 2` starts one). This names the problem:
 
-    python -m utils.launch_config accelerate_configs/*.yaml
+    python -m utils.launch.launch_config accelerate_configs/*.yaml
 """
 
 import sys
@@ -118,7 +118,7 @@ def check_value_types(path, raw: dict) -> None:
 
 def main(paths) -> int:
     if not paths:
-        exit_with_error("usage: python -m utils.launch_config CONFIG.yaml [...]", status=2)
+        exit_with_error("usage: python -m utils.launch.launch_config CONFIG.yaml [...]", status=2)
     failed = False
     for path in paths:
         try:

@@ -1,6 +1,8 @@
-"""A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/flags.py add_step_flags):
---max_steps (the run's length, instead of --epochs), --eval_steps (evaluate every N steps instead of after every
-epoch) and --logging_steps (log the mean training loss every N steps).
+"""What a run does between its optimizer steps: the losses of every process gathered, logs and evaluations as due.
+
+A run counted in optimizer steps, with the Hugging Face Trainer's flags and meanings (utils/launch/flags.py
+add_step_flags): --max_steps (the run's length, instead of --epochs), --eval_steps (evaluate every N steps instead of
+after every epoch) and --logging_steps (log the mean training loss every N steps).
 
 StepPlan says what is due after which optimizer step; after_step and at_epoch_end do it. Both are collective: every
 process calls them after every optimizer step (at every epoch's end), and the plan, the same on every process, says
@@ -13,7 +15,10 @@ from collections.abc import Callable
 
 from accelerate.logging import get_logger
 
-from utils.checkpoints import gather_running_loss, save_if_best
+from utils.errors import UserError
+from utils.run.best import save_if_best
+from utils.run.checkpoints import newest_good_checkpoint
+from utils.run.progress import TrainingProgress
 
 logger = get_logger(__name__)
 
@@ -27,12 +32,15 @@ class StepPlan:
     eval_steps: int | None = None  # --eval_steps; None: evaluate at every epoch's end
     logging_steps: int | None = None  # --logging_steps; None: the training loss is reported per epoch only
     early_stopping_patience: int | None = None
+    metric_for_best: str | None = None  # what --early_stopping_patience watches and best/ keeps the best of
+    streaming: bool = False  # --streaming: an epoch's length is unknown, `steps_per_epoch` stands in (as max_steps)
 
     @classmethod
-    def of(cls, args, steps_per_epoch: int) -> "StepPlan":
+    def of(cls, steps_per_epoch: int, epochs: int, max_steps=None, eval_steps=None, logging_steps=None,
+           early_stopping_patience=None, metric_for_best=None, streaming=False) -> "StepPlan":
         """As the Trainer: --max_steps, when given, overrides --epochs."""
-        return cls(steps_per_epoch, args.max_steps or args.epochs * steps_per_epoch, args.eval_steps,
-                   args.logging_steps, args.early_stopping_patience)
+        return cls(steps_per_epoch, max_steps or epochs * steps_per_epoch, eval_steps, logging_steps,
+                   early_stopping_patience, metric_for_best, streaming)
 
     @property
     def epochs(self) -> int:
@@ -70,10 +78,10 @@ class TrainingEvents:
     evaluate: Callable[[], dict]
     model: object
     ema: object
-    args: object
+    output_dir: object  # --output_dir, where best/ is kept
     results: dict
-    running_loss: object  # utils/results.py RunningLoss
-    meter: object  # utils/results.py ThroughputMeter
+    running_loss: object  # utils/report/meters.py RunningLoss
+    meter: object  # utils/report/meters.py ThroughputMeter
     lr_scheduler: object
 
 
@@ -87,14 +95,15 @@ def after_step(accelerator, events: TrainingEvents, progress, epoch: int) -> Non
         return
     with events.meter.paused():  # logging and evaluating are not training time
         if logging:
-            gather_running_loss(accelerator, events.running_loss, progress, events.args.output_dir)
+            gather_running_loss(accelerator, events.running_loss, progress, events.output_dir)
             logged = {"loss": progress.take_logged_loss(), "learning_rate": events.lr_scheduler.get_last_lr()[0]}
             logger.info(f"step {step}: {logged}")
             accelerator.log(logged, step=step)  # [accelerate] to every tracker
         if evaluating:
             report(accelerator, events.results, step, f"step {step}", events.evaluate())
             events.model.train()  # evaluate() left the model in eval mode; its epoch goes on
-            save_if_best(accelerator, events.model, progress, events.results, epoch, events.args, events.ema)
+            save_if_best(accelerator, events.model, progress, events.results, epoch, events.plan.metric_for_best,
+                         events.output_dir, events.ema)
 
 
 def at_epoch_end(accelerator, events: TrainingEvents, progress, epoch: int, **train_metrics) -> None:
@@ -108,7 +117,8 @@ def at_epoch_end(accelerator, events: TrainingEvents, progress, epoch: int, **tr
     report(accelerator, events.results, progress.global_step, f"epoch {epoch}",
            measured | (events.evaluate() if evaluating else {}), epoch=epoch)
     if evaluating:
-        save_if_best(accelerator, events.model, progress, events.results, epoch, events.args, events.ema)
+        save_if_best(accelerator, events.model, progress, events.results, epoch, events.plan.metric_for_best,
+                     events.output_dir, events.ema)
 
 
 def report(accelerator, results: dict, step: int, where: str, measured: dict, **tracked_too) -> None:
@@ -117,3 +127,18 @@ def report(accelerator, results: dict, step: int, where: str, measured: dict, **
     results.update(measured)
     logger.info(f"{where}: {measured}")
     accelerator.log(measured | tracked_too, step=step)  # [accelerate]
+
+
+def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
+    """Collective: every process calls it at the same step. Adds the losses, accuracies and samples of all
+    processes since the last call to `progress`. Without a GradScaler (fp32, bf16) a non-finite loss
+    ends the run here, naming its step: the weights are lost (fp16's scaler skips such steps)."""
+    rows = accelerator.gather(running_loss.take().unsqueeze(0)).cpu()  # one row per process
+    progress.add(rows[:, 0].sum().item(), int(rows[:, 1].sum().item()), rows[:, 4].sum().item())
+    nonfinite = rows[rows[:, 2] >= 0]
+    if accelerator.scaler is None and len(nonfinite):
+        step, loss = nonfinite[nonfinite[:, 2].argmin(), 2:4].tolist()
+        # A resume restores the checkpoint's learning rate with the optimizer state: a lower one needs a new run
+        raise UserError(f"the loss became {loss} at step {int(step)} (epoch {progress.epoch}); last good checkpoint: "
+                        f"{newest_good_checkpoint(output_dir) or 'none'}; resume from it with --max_grad_norm, or "
+                        f"start afresh with a lower --learning_rate and --overwrite_output_dir")

@@ -49,17 +49,17 @@ def check_grid_flags(grid: dict, flags: set, script) -> None:
         raise UserError(f"--grid {name}: {script} has no flag --{name} (a grid names a flag in full); {hint}")
 
 
-def trial_command(script, args: list, config_file) -> dict:
+def trial_command(script, script_args: list, config_file) -> dict:
     """What defines a trial: the script, its arguments, the launch config. Not the port, which changes nothing."""
-    return {"script": str(Path(script).resolve()), "args": [str(arg) for arg in args],
+    return {"script": str(Path(script).resolve()), "args": [str(arg) for arg in script_args],
             "config_file": str(Path(config_file).resolve()) if config_file else None}
 
 
-def option_groups(args: list) -> Counter:
+def option_groups(script_args: list) -> Counter:
     """['--epochs', '1', '--cpu'] -> Counter({'--epochs 1': 1, '--cpu': 1}): each flag with its values, in any
     order, as argparse reads them."""
     groups = []
-    for arg in args:
+    for arg in script_args:
         if not groups or re.match(r"--?[A-Za-z]", arg):
             groups.append(arg)
         else:

@@ -20,9 +20,9 @@ class StepProfiler:
     (ui.perfetto.dev) or TensorBoard's profiler plugin opens; the main process prints its top operators.
     """
 
-    def __init__(self, args, accelerator):
-        self.enabled, self.accelerator = args.profile, accelerator
-        self.trace_dir = Path(args.output_dir) / "profile"
+    def __init__(self, enabled: bool, output_dir, accelerator):
+        self.enabled, self.accelerator = enabled, accelerator  # enabled: --profile
+        self.trace_dir = Path(output_dir) / "profile"
         self.profiler = None
         self.traced = False
 

@@ -24,7 +24,7 @@ from accelerate.utils import DistributedType, broadcast
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from utils.errors import UserError
-from utils.results import replica_fingerprints
+from utils.run.fingerprints import replica_fingerprints
 
 WARMUP_POWER = 2 / 3  # timm's ModelEmaV3 warmup (warmup_gamma 1)
 EMA_WEIGHTS = "model_ema.safetensors"  # in OUTPUT_DIR at the end of a training run
@@ -92,30 +92,31 @@ class ModelEma:
         self.averaged.load_state_dict(state)
 
 
-def build_model_ema(accelerator, model, checkpoint, args, max_steps: int):
-    """--model_ema: the moving average of the prepared `model`'s plain weights, registered for checkpointing, so it is
-    built before `checkpoint` (if any) is loaded, and that must hold one; None without --model_ema (then `checkpoint`
-    must hold none). A run too short for the decay is warned about."""
+def build_model_ema(accelerator, model, checkpoint, max_steps: int, model_ema: bool, decay: float, warmup: bool):
+    """--model_ema (`model_ema`, with --model_ema_decay `decay` and --model_ema_warmup `warmup`): the moving average of
+    the prepared `model`'s plain weights, registered for checkpointing, so it is built before `checkpoint` (if any) is
+    loaded, and that must hold one; None without --model_ema (then `checkpoint` must hold none). A run of `max_steps`
+    too short for the decay is warned about."""
     if checkpoint is not None:
         holds_average = (Path(checkpoint) / EMA_CHECKPOINT_FILE).is_file()
-        if args.model_ema and not holds_average:
+        if model_ema and not holds_average:
             raise UserError(f"{checkpoint} holds no --model_ema average (saved without --model_ema; best/ keeps one "
                             f"set of weights only); drop --model_ema to load it")
-        if holds_average and not args.model_ema:
+        if holds_average and not model_ema:
             raise UserError(f"{checkpoint} holds a --model_ema average: add --model_ema to load it too")
-    if not args.model_ema:
+    if not model_ema:
         return None
     if accelerator.distributed_type == DistributedType.FSDP:
         raise UserError("--model_ema keeps a whole copy of the weights on every process, which FSDP shards: train "
                         "without --model_ema under FSDP")
-    first_step_share = args.model_ema_decay ** (max_steps - 1)  # of the weights after the first step, at the end
-    if not args.model_ema_warmup and first_step_share > 0.1:
-        logger.warning(f"--model_ema_decay {args.model_ema_decay} averages over about "
-                       f"{round(1 / (1 - args.model_ema_decay))} optimizer steps and this run has {max_steps}: at its "
+    first_step_share = decay ** (max_steps - 1)  # of the weights after the first step, at the end
+    if not warmup and first_step_share > 0.1:
+        logger.warning(f"--model_ema_decay {decay} averages over about "
+                       f"{round(1 / (1 - decay))} optimizer steps and this run has {max_steps}: at its "
                        f"end the weights of its first step will still make up {first_step_share:.0%} of the average; "
                        f"add --model_ema_warmup, or lower --model_ema_decay", main_process_only=True)
     plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP or compile wrapper
-    ema = ModelEma(plain_model, args.model_ema_decay, args.model_ema_warmup)
+    ema = ModelEma(plain_model, decay, warmup)
     accelerator.register_for_checkpointing(ema)  # saved by save_state, loaded by load_state
     return ema
 

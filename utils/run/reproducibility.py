@@ -14,8 +14,11 @@ import warnings
 import torch
 
 
-def make_deterministic() -> None:
-    """Call before the first CUDA operation (cuBLAS reads its workspace setting once)."""
+def make_deterministic(enabled: bool = True) -> None:
+    """--deterministic (`enabled`; False: nothing changes). Call before the first CUDA operation (cuBLAS reads its
+    workspace setting once)."""
+    if not enabled:
+        return
     # cuBLAS: a fixed workspace makes its reductions repeatable (PyTorch's reproducibility notes).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = False  # the autotuner times algorithms and may pick another next run

@@ -15,7 +15,7 @@ DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's valu
 
 # The trackers the scripts offer (Accelerate supports more); each is named as the package it needs.
 TRACKERS = ("tensorboard", "mlflow", "wandb")
-# --metric_for_best: which way is better (eval_ema_*: --model_ema's average, utils/ema.py)
+# --metric_for_best: which way is better (eval_ema_*: --model_ema's average, utils/run/ema.py)
 HIGHER_IS_BETTER = {"eval_accuracy": True, "eval_loss": False, "eval_ema_accuracy": True, "eval_ema_loss": False}
 
 
@@ -194,18 +194,18 @@ def build_parser(description: str, *, epochs: int, batch_size: int, learning_rat
     return parser
 
 
-# utils/optim.py builds them; named here so that the scripts that only parse flags (sweep.py) need no torch
+# utils/run/optim.py builds them; named here so that the scripts that only parse flags (sweep.py) need no torch
 LR_SCHEDULER_TYPES = ("cosine", "linear", "constant_with_warmup", "onecycle", "step")
 
 
 def add_lr_scheduler_flags(parser: ArgumentParser, lr_scheduler_type: str, warmup_epochs=None) -> None:
     """--lr_scheduler_type, --warmup_steps, --warmup_epochs (the HF Trainer's names), for the scripts that build their
-    schedule with utils/optim.py (the baselines keep the one-cycle schedule the articles use)."""
+    schedule with utils/run/optim.py (the baselines keep the one-cycle schedule the articles use)."""
     schedule = parser.add_argument_group("learning-rate schedule (counted in optimizer steps)")
     schedule.add_argument(
         "--lr_scheduler_type", choices=LR_SCHEDULER_TYPES, default=lr_scheduler_type,
         help="after the warmup: cosine or linear decay to 0, constant, a tenth after each third (step); or torch's "
-             "OneCycleLR (utils/optim.py: build_lr_scheduler)",
+             "OneCycleLR (utils/run/optim.py: build_lr_scheduler)",
     )
     warmup = schedule.add_mutually_exclusive_group()
     warmup.add_argument("--warmup_steps", type=non_negative_int, default=None,
@@ -216,8 +216,8 @@ def add_lr_scheduler_flags(parser: ArgumentParser, lr_scheduler_type: str, warmu
 
 def add_model_ema_flags(parser: ArgumentParser) -> None:
     """--model_ema, --model_ema_decay, --model_ema_warmup (timm's names and meanings), for the scripts that keep the
-    average with utils/ema.py."""
-    ema = parser.add_argument_group("moving average of the weights (utils/ema.py)")
+    average with utils/run/ema.py."""
+    ema = parser.add_argument_group("moving average of the weights (utils/run/ema.py)")
     ema.add_argument(
         "--model_ema", action="store_true",
         help="keep an exponential moving average of the weights, updated after every optimizer step, evaluated each "
@@ -238,8 +238,8 @@ def add_model_ema_flags(parser: ArgumentParser) -> None:
 
 def add_step_flags(parser: ArgumentParser) -> None:
     """--max_steps, --eval_steps, --logging_steps (the HF Trainer's names and meanings), for the scripts that count
-    their runs in optimizer steps with utils/steps.py."""
-    steps = parser.add_argument_group("a run in optimizer steps (the Hugging Face Trainer's flags; utils/steps.py)")
+    their runs in optimizer steps with utils/run/steps.py."""
+    steps = parser.add_argument_group("a run in optimizer steps (the Hugging Face Trainer's flags; utils/run/steps.py)")
     steps.add_argument(
         "--max_steps", type=positive_int, default=None, metavar="N",
         help="train N optimizer steps instead of --epochs: the run spans ceil(N / steps per epoch) epochs and ends "
@@ -297,6 +297,34 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
                      f"pip install -r requirements-trackers.txt")
     chosen = {"all": installed, "none": []}.get(args.report_to, [args.report_to])
     args.report_to = sorted({*chosen, *(["tensorboard"] if args.with_tracking else [])})
+
+
+# Shared flags that only scripts/train_mnist.py implements: the baselines and
+# scripts/benchmark_train.py refuse them rather than ignore them. (--ddp_timeout, which they keep,
+# has no collective to time out on one process, as in train_mnist.py.)
+FLAGS_THE_BASELINES_LACK = {
+    "gradient_accumulation_steps": 1,
+    "checkpointing_steps": None,
+    "checkpoints_total_limit": None,
+    "resume_from_checkpoint": None,
+    "overwrite_output_dir": False,
+    "save_on_signal": False,
+    "eval_only": False,
+    "with_tracking": False,
+    "report_to": "none",
+    "deterministic": False,
+    "max_grad_norm": None,
+    "metric_for_best": None,
+    "early_stopping_patience": None,
+    "profile": False,
+    "auto_find_batch_size": False,
+}
+
+
+def reject_flags_the_baselines_lack(parser, args) -> None:
+    for name, default in FLAGS_THE_BASELINES_LACK.items():
+        if getattr(args, name) != default:
+            parser.error(f"--{name}: the baselines leave it out to stay short; scripts/train_mnist.py has it")
 
 
 def build_mnist_parser(description: str) -> ArgumentParser:

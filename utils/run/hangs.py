@@ -39,11 +39,11 @@ def collective_failure(err: BaseException):
 
 
 @contextlib.contextmanager
-def collective_timeouts_named(args, progress=None):
-    """Around the training loop (with `progress`), and around the whole run (without: start-up, loading a
-    checkpoint, the final evaluation and save): a collective that timed out ends the run with one `error:` line
-    naming the timeout and the optimizer step or the phase; one that lost the process at its other end ends this
-    process quietly, with a note (other errors pass through unchanged)."""
+def collective_timeouts_named(ddp_timeout, progress=None):
+    """Around the training loop (with `progress`), and around the whole run (without: start-up, loading a checkpoint,
+    the final evaluation and save), with --ddp_timeout `ddp_timeout`: a collective that timed out ends the run with one
+    `error:` line naming the timeout and the optimizer step or the phase; one that lost the process at its other end
+    ends this process quietly, with a note (other errors pass through unchanged)."""
     try:
         yield
     except RuntimeError as err:
@@ -52,7 +52,7 @@ def collective_timeouts_named(args, progress=None):
                  "outside the training loop (starting, loading a checkpoint, evaluating or saving)")
         if failure == "timeout":
             raise UserError(
-                f"a collective operation timed out after --ddp_timeout {args.ddp_timeout} s, {steps}: another "
+                f"a collective operation timed out after --ddp_timeout {ddp_timeout} s, {steps}: another "
                 f"process stopped answering (a hung GPU, a frozen node, or a process on another code path); "
                 f"look at the other processes' output, and raise --ddp_timeout if steps are legitimately that "
                 f"slow (a long checkpoint save)"

@@ -1,4 +1,4 @@
-"""Helpers for the baselines and the benchmark: flag checks, synthetic images, machine facts, and
+"""Helpers for the baselines and the benchmark: AMP as Accelerate picks it, synthetic images, machine facts, and
 scripts/benchmark.py's report (a row per combination from its repeated runs, written as CSV,
 Markdown, JSON and plots). No distribution logic in here."""
 
@@ -16,35 +16,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from utils.errors import UserError
-from utils.results import write_json_atomically
-
-# Shared flags (utils/flags.py) that only scripts/train_mnist.py implements: the baselines and
-# scripts/benchmark_train.py refuse them rather than ignore them. (--ddp_timeout, which they keep,
-# has no collective to time out on one process, as in train_mnist.py.)
-FLAGS_THE_BASELINES_LACK = {
-    "gradient_accumulation_steps": 1,
-    "checkpointing_steps": None,
-    "checkpoints_total_limit": None,
-    "resume_from_checkpoint": None,
-    "overwrite_output_dir": False,
-    "save_on_signal": False,
-    "eval_only": False,
-    "with_tracking": False,
-    "report_to": "none",
-    "deterministic": False,
-    "max_grad_norm": None,
-    "metric_for_best": None,
-    "early_stopping_patience": None,
-    "profile": False,
-    "auto_find_batch_size": False,
-}
-
-
-def reject_flags_the_baselines_lack(parser, args) -> None:
-    for name, default in FLAGS_THE_BASELINES_LACK.items():
-        if getattr(args, name) != default:
-            parser.error(f"--{name}: the baselines leave it out to stay short; scripts/train_mnist.py has it")
-
+from utils.files import write_json_atomically
 
 def autocast_dtype(mixed_precision, device: torch.device):
     """torch's native AMP dtype for --mixed_precision (None: full fp32), as Accelerate chooses it.
@@ -69,7 +41,7 @@ class OptimizerStepWatch:
         self.stepped = False
         optimizer.register_step_post_hook(self._mark)
 
-    def _mark(self, optimizer, args, kwargs):
+    def _mark(self, optimizer, step_args, step_kwargs):
         self.stepped = True
 
     def take(self) -> bool:

@@ -13,7 +13,7 @@ when the Accelerate it was written against changes.
 """
 
 from utils.errors import UserError
-from utils.launch_checks import fsdp_launch
+from utils.launch.launch_checks import fsdp_launch
 
 # The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
 ADAPTED_ACCELERATE = "1.15."
@@ -34,7 +34,7 @@ def shard_on_cpu(accelerator) -> None:
     adapted = accelerate.__version__.startswith(ADAPTED_ACCELERATE) and "distributed_type" in PartialState._shared_state
     if not adapted:
         raise UserError(
-            f"FSDP on CPU processes goes through utils/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
+            f"FSDP on CPU processes goes through utils/run/fsdp.py, written for accelerate {ADAPTED_ACCELERATE}x, but "
             f"this is accelerate {accelerate.__version__}; install the tested one (pip install -c constraints.txt "
             f"accelerate), or launch FSDP on GPUs")
     if accelerator.state.dynamo_plugin.backend != DynamoBackend.NO:
@@ -49,7 +49,7 @@ def shard_on_cpu(accelerator) -> None:
         # fails on buffers, which BatchNorm has (on GPUs too)
         raise UserError("fsdp_cpu_ram_efficient_loading fails for models with buffers (BatchNorm's statistics) in "
                         "accelerate 1.15: set fsdp_cpu_ram_efficient_loading: false")
-    if accelerator.mixed_precision != "no":  # fp16 is refused on the CPU already (utils/launch_checks.py)
+    if accelerator.mixed_precision != "no":  # fp16 is refused on the CPU already (utils/launch/launch_checks.py)
         raise UserError(BF16_ON_CPU)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
@@ -84,7 +84,7 @@ def complete_fsdp_model(accelerator, model) -> None:
             torch.distributed.broadcast(buffer, src=0)
         in_sync["buffers"] = True
 
-    def before_forward(module, args):
+    def before_forward(module, inputs):
         if module.training:
             in_sync["buffers"] = False
         elif not in_sync["buffers"]:
@@ -93,7 +93,7 @@ def complete_fsdp_model(accelerator, model) -> None:
     model.register_forward_pre_hook(before_forward)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
     if not all(hasattr(parameter.device_mesh, "_pg_registry") for parameter in model.parameters()):
-        raise RuntimeError(f"utils/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
+        raise RuntimeError(f"utils/run/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
     atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
 
 

@@ -1,0 +1,1 @@
+"""Out: what a run reports (results.json, throughput, memory), profiles, benchmarks, predictions and exports."""
