@@ -55,6 +55,7 @@ from utils.launch.flags import (  # noqa: E402
     add_step_flags,
     build_parser,
     check_flag_combinations,
+    check_streaming_flags,
     default_num_workers,
     non_negative_float,
     positive_int,
@@ -200,26 +201,9 @@ def parse_args(argv=None):
     return args
 
 
-def check_streaming_flags(parser, args) -> None:
-    """--streaming: a stream has no length, so the run's length is --max_steps and an epoch is not known beforehand."""
-    if args.max_steps is None:
-        parser.error("--streaming needs --max_steps (a stream's length is unknown, so the run is counted in steps)")
-    for flag in ("max_train_samples", "auto_find_batch_size"):
-        if getattr(args, flag):
-            parser.error(f"--{flag} does not work with --streaming (it needs a dataset of known length); drop it")
-    if args.mixup_alpha or args.cutmix_alpha:
-        parser.error("--mixup_alpha and --cutmix_alpha do not work with --streaming yet (each image's partner is drawn "
-                     "by its index in the data set, which a stream does not have); drop them")
-    if args.warmup_epochs != parser.get_default("warmup_epochs"):
-        parser.error("--warmup_epochs does not work with --streaming (an epoch's length is unknown beforehand); "
-                     "use --warmup_steps")
-    args.warmup_epochs = None  # the default warmup of one epoch: none (--warmup_steps gives one)
-
-
 def describe_run(args) -> dict:
     """What defines this run and cannot change when it resumes (--epochs, --max_steps and the process count can):
-    recorded
-    as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
+    recorded as run.json with its checkpoints and compared on --resume_from_checkpoint (utils/run/run_folder.py)."""
     return {
         "script": Path(__file__).name,
         "model": args.model, "pretrained": args.pretrained, "stem": args.stem,

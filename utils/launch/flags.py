@@ -321,6 +321,23 @@ FLAGS_THE_BASELINES_LACK = {
 }
 
 
+def check_streaming_flags(parser, args) -> None:
+    """train_image_classifier.py --streaming: a stream has no length, so the run's length is --max_steps and an epoch
+    is not known beforehand."""
+    if args.max_steps is None:
+        parser.error("--streaming needs --max_steps (a stream's length is unknown, so the run is counted in steps)")
+    for flag in ("max_train_samples", "auto_find_batch_size"):
+        if getattr(args, flag):
+            parser.error(f"--{flag} does not work with --streaming (it needs a dataset of known length); drop it")
+    if args.mixup_alpha or args.cutmix_alpha:
+        parser.error("--mixup_alpha and --cutmix_alpha do not work with --streaming yet (each image's partner is drawn "
+                     "by its index in the data set, which a stream does not have); drop them")
+    if args.warmup_epochs != parser.get_default("warmup_epochs"):
+        parser.error("--warmup_epochs does not work with --streaming (an epoch's length is unknown beforehand); "
+                     "use --warmup_steps")
+    args.warmup_epochs = None  # the default warmup of one epoch: none (--warmup_steps gives one)
+
+
 def reject_flags_the_baselines_lack(parser, args) -> None:
     for name, default in FLAGS_THE_BASELINES_LACK.items():
         if getattr(args, name) != default:
