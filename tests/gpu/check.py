@@ -442,4 +442,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # A step past its time gets SIGINT; started from a script with `&`, this process and so every step would have it
+    # ignored (an ignored signal stays ignored through exec). A handler of its own makes it the default in the steps.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.exit(main())
