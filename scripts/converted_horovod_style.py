@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
+from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed  # [accelerate]
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
-from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed  # [accelerate]
 from torch.utils.data import TensorDataset
 
 # Training settings

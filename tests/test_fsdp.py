@@ -22,10 +22,11 @@ from helpers import REPO, launch, launcher_args, make_synthetic_mnist, results, 
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 
-from utils import checkpoints
-from utils.data import load_mnist_idx, normalise_mnist
+from utils.data.mnist import load_mnist_idx, normalise_mnist
 from utils.errors import UserError
 from utils.models import ConvNet
+from utils.run.checkpoints import check_checkpoint
+from utils.run.resume import resolve_checkpoint
 
 FSDP_CPU = REPO / "accelerate_configs" / "fsdp_cpu.yaml"
 RECORDER = REPO / "tests" / "sample_recorder.py"
@@ -206,10 +207,10 @@ def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(launched, tmp_p
     root, _ = launched
     for checkpoint in ("step_2", "step_4"):
         shutil.copytree(root / "fsdp" / checkpoint, tmp_path / checkpoint)
-    assert checkpoints.check_checkpoint(tmp_path / "step_4") is None
+    assert check_checkpoint(tmp_path / "step_4") is None
     flip_a_byte(tmp_path / "step_4" / "optimizer_0" / "__0_0.distcp")
     with pytest.raises(UserError) as refused:
-        checkpoints.resolve_checkpoint(str(tmp_path / "step_4"), tmp_path)
+        resolve_checkpoint(str(tmp_path / "step_4"), tmp_path)
     assert str(refused.value) == (f"checkpoint {tmp_path / 'step_4'} is damaged (optimizer_0/__0_0.distcp differs from "
                                   f"its sha256 when saved); resume from the newest good one, {tmp_path / 'step_2'}")
     assert "\n" not in str(refused.value)

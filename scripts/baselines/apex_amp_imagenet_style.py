@@ -27,8 +27,8 @@ import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.data.distributed
 from apex import amp
