@@ -3,7 +3,7 @@
 
     python scripts/benchmark.py --data_dir path/to/MNIST/raw --output_dir my_benchmark
     python scripts/benchmark.py --models resnet50 --precisions fp32,fp16,bf16 --num_processes 1,8 --channels_last
-    python scripts/benchmark.py --quick --data_dir path/to/MNIST/raw      # a smoke test, as CI runs it
+    python scripts/benchmark.py --quick --data_dir path/to/MNIST/raw      # a smoke test: 5 tiny runs
 
 Every combination of --models x --data_paths x --methods x --precisions x --num_processes runs
 as its own subprocess, launched the way users launch it (python, torchrun, accelerate launch).
@@ -61,11 +61,13 @@ MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
     "accelerate": REPO / "scripts" / "train_mnist.py",
 }
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
-# --quick: small enough for CI on 2 CPU cores, large enough for steady state after the warm-up (1 or 2 processes).
+# --quick: a smoke test, each MNIST script once on 1 and on 2 processes (plain PyTorch on 1), in fp32 (on a CPU: 5 runs,
+# where the whole grid is 20; each costs a process start, which dominates); runs small enough for 2 CPU cores, large
+# enough for steady state after the warm-up. The other precisions and data paths are a flag away.
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
-             image_size=32, synthetic_samples=512)
+             image_size=32, synthetic_samples=512, precisions=["fp32"], data_paths=["dataloader"])
 FULL = dict(epochs=3, batch_size=64, max_train_samples=None, max_eval_samples=None, repeats=3,
-            image_size=224, synthetic_samples=2560)
+            image_size=224, synthetic_samples=2560, precisions=list(PRECISIONS), data_paths=list(DATA_PATHS))
 
 
 def comma_list(choices):
@@ -90,18 +92,20 @@ def parse_args(argv=None):
     parser = ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     what = parser.add_argument_group("what to run")
     what.add_argument("--methods", type=comma_list(METHODS), default=list(METHODS), help=",".join(METHODS))
-    what.add_argument("--precisions", type=comma_list(tuple(PRECISIONS)), default=list(PRECISIONS),
-                      help="fp32,fp16,bf16")
+    what.add_argument("--precisions", type=comma_list(tuple(PRECISIONS)), default=None,
+                      help=f"fp32,fp16,bf16 (default {','.join(FULL['precisions'])}; "
+                           f"--quick {','.join(QUICK['precisions'])})")
     what.add_argument("--num_processes", type=process_counts, default=[1, 2],
                       help="processes per run (GPUs for DataParallel, which drives them from one process)")
     what.add_argument("--models", type=comma_list(MODELS), default=["mnist"],
                       help="mnist: the ConvNet on MNIST; resnet18/resnet50: synthetic 1000-class images")
-    what.add_argument("--data_paths", type=comma_list(DATA_PATHS), default=list(DATA_PATHS),
-                      help="dataloader: DataLoader + sampler; device: the whole set as one tensor on the device")
+    what.add_argument("--data_paths", type=comma_list(DATA_PATHS), default=None,
+                      help="dataloader: DataLoader + sampler; device: the whole set as one tensor on the device "
+                           f"(default {','.join(FULL['data_paths'])}; --quick {','.join(QUICK['data_paths'])})")
     what.add_argument("--repeats", type=positive_int, default=None,
                       help=f"rounds over all combinations (default {FULL['repeats']}; --quick {QUICK['repeats']})")
     what.add_argument("--quick", action="store_true",
-                      help="tiny runs for CI: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+                      help="a smoke test, tiny runs: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     what.add_argument("--cpu", action="store_true", help="CPU processes even if GPUs are present")
 
     train = parser.add_argument_group("training (the same for every run)")

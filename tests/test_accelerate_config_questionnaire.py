@@ -22,9 +22,20 @@ MENU_DONE = "\x1b[?25h"  # ... and shows it again once an option is chosen
 
 # What ours say that the questionnaire does not ask about: on one machine, a free port each time.
 ONLY_OURS = {"main_process_port"}
-# Where ours deliberately differ (docs/migration_guide.md and the YAML's comment say why):
-# "multi-CPU" gives MULTI_CPU, one process unless mpirun is configured; ours use the torchrun launcher.
-DIFFERENT = {("cpu_2proc.yaml", "distributed_type"): ("MULTI_CPU", "MULTI_GPU")}
+# Where ours deliberately differ (docs/migration_guide.md and the YAML's comment say why): the multi-GPU answer
+# never asks about the CPU; ours say use_cpu, which the multi-GPU launcher does not forward (the script's --cpu counts).
+DIFFERENT = {("cpu_2proc.yaml", "use_cpu"): (False, True)}
+# What a user who answers "multi-CPU" for two CPU processes gives: the answer the guide warns against.
+MULTI_CPU_ANSWERS = [
+    ("In which compute environment are you running?", "➔ This machine"),
+    ("Which type of machine are you using?", "➔ multi-CPU"),
+    ("How many different machines will you use", "1"),
+    ("Should distributed operations be checked while running for errors?", "no"),
+    ("Do you want accelerate to launch mpirun?", "no"),
+    ("Do you wish to optimize your script with torch dynamo?", "no"),
+    ("should be used for distributed training?", "2"),
+    ("Do you wish to use mixed precision?", "➔ no"),
+]
 
 
 def questionnaire_table() -> dict:
@@ -111,11 +122,16 @@ def test_questionnaire_answers_write_our_yaml(config, tmp_path):
         assert written[key] == value, f"{config}: {key} is {written[key]!r} from the questionnaire, {value!r} in ours"
 
 
-def test_multi_cpu_answer_starts_one_process(tmp_path):
-    """Why cpu_2proc.yaml says MULTI_GPU: the questionnaire's multi-CPU file starts one process."""
-    written = tmp_path / "multi_cpu.yaml"
-    answer_questionnaire(TABLE["cpu_2proc.yaml"], written, tmp_path / "hf_home")
+def test_two_cpu_processes_come_from_the_guides_answers_not_from_multi_cpu(tmp_path):
+    """The guide's answers for cpu_2proc.yaml (multi-GPU) start two processes in one group when the script asks for the
+    CPU (--cpu: Accelerator(cpu=True)), on a machine without GPUs too; the multi-CPU answer starts one."""
     probe = tmp_path / "probe.py"
-    probe.write_text("from accelerate import Accelerator\nprint('processes:', Accelerator(cpu=True).num_processes)\n")
-    proc = run([*launcher_args(config_file=written), probe], cwd=tmp_path, timeout=240)
-    assert proc.stdout.count("processes: 1") == 1, proc.stdout
+    probe.write_text("from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n"
+                     "print('processes:', accelerator.num_processes)\naccelerator.end_training()\n")
+    counts = {}
+    for name, answers in (("guide", TABLE["cpu_2proc.yaml"]), ("multi_cpu", MULTI_CPU_ANSWERS)):
+        written = tmp_path / f"{name}.yaml"
+        answer_questionnaire(answers, written, tmp_path / "hf_home")
+        proc = run([*launcher_args(config_file=written), probe], cwd=tmp_path, timeout=240)
+        counts[name] = sorted(line for line in proc.stdout.splitlines() if line.startswith("processes:"))
+    assert counts == {"guide": ["processes: 2", "processes: 2"], "multi_cpu": ["processes: 1"]}

@@ -14,7 +14,8 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, assert_clean_user_error, code_lines, launch_in_background, run, training_processes
+from helpers import (REPO, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
+                     training_processes)
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
@@ -153,6 +154,26 @@ def test_resnet_on_synthetic_images_in_plain_pytorch(tmp_path):
     assert number(row["samples_per_second"]) > 0
     assert row["eval_accuracy"] == "" and row["eval_samples"] == ""  # random labels: no accuracy reported
     assert number(row["ratio_to_ddp"]) is None  # no DDP run to compare with
+
+
+def test_quick_is_a_smoke_test_of_five_runs_on_a_cpu():
+    """--quick (tiny runs) runs each MNIST script once on 1 and on 2 processes, in fp32 with the DataLoader: 5 runs on
+    a CPU, where the whole grid at that size is 20 (522 s on 2 cores, each run mostly its processes' start). Without
+    --quick the whole grid is the default, and each part of it stays a flag away from --quick."""
+    benchmark = load_script(BENCHMARK)
+
+    def measured(argv):
+        args = benchmark.parse_args(argv)
+        combinations = [benchmark.Combination(model, data_path, method, precision, n)
+                        for model in args.models for data_path in args.data_paths for method in args.methods
+                        for precision in args.precisions for n in args.num_processes]
+        return sorted(f"{c.data_path}/{c.method}/{c.precision}/{c.num_processes}p" for c in combinations
+                      if benchmark.skip_reason(c, on_cpu=True, num_gpus=0) is None)
+
+    assert measured(["--quick"]) == ["dataloader/accelerate/fp32/1p", "dataloader/accelerate/fp32/2p",
+                                     "dataloader/ddp/fp32/1p", "dataloader/ddp/fp32/2p", "dataloader/plain/fp32/1p"]
+    assert len(measured([])) == 20
+    assert len(measured(["--quick", "--precisions", "fp32,bf16", "--data_paths", "dataloader,device"])) == 20
 
 
 def test_bad_selection_is_one_clear_line(tmp_path):
@@ -411,11 +432,12 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU grid needs a CUDA GPU; CI has none")
 def test_quick_gpu_grid(synthetic_mnist, tmp_path):
-    """The benchmark's --quick grid on this machine's GPUs, as a GPU owner runs it: every combination
+    """The benchmark's tiny --quick runs over the whole grid on this machine's GPUs: every combination
     the GPUs allow succeeds (DataParallel, checked by the GPUs it drove, where there are 2+), the rest
     is skipped for the right reason, and peak memory is the GPU's."""
     num_gpus = torch.cuda.device_count()
     proc = run([sys.executable, BENCHMARK, "--quick", "--data_dir", synthetic_mnist, "--batch_size", "16",
+                "--precisions", "fp32,fp16,bf16", "--num_processes", "1,2", "--data_paths", "dataloader,device",
                 "--output_dir", tmp_path], check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "benchmark.csv") as f:

@@ -10,6 +10,7 @@ sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
 
 from utils.errors import UserError  # noqa: E402
+from utils import launch_config  # noqa: E402
 from utils.launch_config import check_launch_config  # noqa: E402
 
 
@@ -172,6 +173,34 @@ def test_launch_config_checker_command(tmp_path):
 
     configs = sorted((REPO / "accelerate_configs").glob("*.yaml"))
     (tmp_path / "bad.yaml").write_text("distributed_type: 'NO'\nnum_processes: 2\n")
-    proc = run([sys.executable, "-m", "utils.launch_config", *configs, tmp_path / "bad.yaml"], check=False)
+    # no GPU visible, on any machine: the GPU configs say what they do here
+    proc = run([sys.executable, "-m", "utils.launch_config", *configs, tmp_path / "bad.yaml"], check=False,
+               env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.stdout.count("ok: ") == len(configs)
     assert_clean_user_error(proc, "bad.yaml", "starts one process")
+    multi_gpu = next(line for line in proc.stdout.splitlines() if "/multi_gpu.yaml:" in line)
+    assert multi_gpu.endswith("no GPU is visible on this machine: here it starts 8 CPU processes, which form one group "
+                              "only if the script gets --cpu (as with accelerate_configs/cpu_2proc.yaml); fp16 needs a "
+                              "GPU (the scripts stop): launch with --mixed_precision no"), multi_gpu
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_launch_config_says_what_a_gpu_config_does_on_this_machine(monkeypatch, gpus):
+    """On a machine without GPUs a GPU config is still valid (it may be meant for another machine), but it starts CPU
+    processes here, which need the script's --cpu; with GPUs, or with a CPU config, nothing is added."""
+    from helpers import REPO
+
+    monkeypatch.setattr(launch_config, "visible_gpu_count", lambda: gpus)
+    configs = REPO / "accelerate_configs"
+    subset = check_launch_config(configs / "multi_gpu_subset.yaml")
+    cpu = check_launch_config(configs / "cpu_2proc.yaml")
+    assert cpu.endswith("MULTI_GPU, 2 process(es) on 1 machine(s), CPU, mixed precision no")
+    if gpus:
+        assert subset.endswith("MULTI_GPU, 2 process(es) on 1 machine(s), GPU, mixed precision fp16")
+    else:
+        assert subset.endswith("GPU, mixed precision fp16; no GPU is visible on this machine: here it starts 2 CPU "
+                               "processes, which form one group only if the script gets --cpu (as with "
+                               "accelerate_configs/cpu_2proc.yaml); fp16 needs a GPU (the scripts stop): launch with "
+                               "--mixed_precision no")
+    fsdp = check_launch_config(configs / "fsdp.yaml")
+    assert ("FSDP runs on GPUs only" in fsdp) == (not gpus)

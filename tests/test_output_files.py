@@ -26,7 +26,7 @@ def test_a_run_writes_only_documented_files_and_logs_them_truly(synthetic_mnist,
     # 32 batches of 2: --profile traces batches 13-17; a checkpoint and best/ after the epoch
     proc = launch(["--data_dir", synthetic_mnist, "--max_train_samples", "64", "--batch_size", "2", "--epochs", "1",
                    "--checkpointing_steps", "epoch", "--metric_for_best", "eval_accuracy", "--profile",
-                   "--output_dir", out])
+                   "--with_tracking", "--output_dir", out])
     log = proc.stdout + proc.stderr
 
     written = sorted(path.relative_to(out).as_posix() for path in out.rglob("*") if path.is_file())
@@ -38,6 +38,9 @@ def test_a_run_writes_only_documented_files_and_logs_them_truly(synthetic_mnist,
                      "epoch_0/random_states_0.pkl", "epoch_0/training_state.json", "best/model.safetensors"):
         assert expected in written, expected
     assert len([name for name in written if name.startswith("profile/rank0.")]) == 1
+    # TensorBoard's hyperparameters and Accelerate's hparams.yml: each in a TIME folder of its own (the doc says so)
+    hparams = [name.split("/")[1] for name in written if re.fullmatch(r"train_mnist/[\d.]+/[^/]+", name)]
+    assert len(hparams) == 2 and len(set(hparams)) == 2, written
 
     # One true line per checkpoint, naming exactly the files in it; Accelerate's per-file lines are gone.
     checkpoint_files = sorted(path.name for path in (out / "epoch_0").iterdir())

@@ -3,13 +3,14 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, results, run
+from helpers import REPO, TRAIN_MNIST, results, run, wait_for_path
 
 CONFIG_DIR = REPO / "accelerate_configs"
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -197,6 +198,53 @@ def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synt
     # Run again (as after an interruption): finished runs are not repeated.
     again = run(cmd, timeout=60)
     assert "accelerate launch" not in again.stdout and again.stdout.count("done before") == 2
+
+    # A changed fixed flag is another command: its finished runs are not reported as this one's, and nothing runs.
+    summary = (root / "summary.md").read_text()
+    other = run([*cmd[:-len(TRAIN_ARGS)], *[("2" if arg == "1" else arg) for arg in TRAIN_ARGS]], check=False)
+    assert other.returncode == 1 and "done before" not in other.stdout and "accelerate launch" not in other.stdout
+    assert other.stderr.strip().splitlines() == [
+        f"error: {root / 'learning_rate_0.003'} was run by another command (`--epochs 1` then, `--epochs 2` now): its "
+        f"files belong to that run; give this sweep another --output_dir, or the command it was run with"]
+    assert (root / "summary.md").read_text() == summary
+
+
+def test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints(synthetic_mnist, tmp_path):
+    root = tmp_path / "sweep"
+    cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.01", "--config_file",
+           CONFIG_DIR / "cpu.yaml", "--output_dir", root, "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist,
+           "--epochs", "1", "--batch_size", "32", "--checkpointing_steps", "4"]
+    trial = root / "learning_rate_0.01"
+    # The sweep, its launcher and the training killed at once (a lost machine, a job's time limit): one process group.
+    sweep = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        wait_for_path(trial / "step_4", sweep, timeout=240)
+    finally:
+        os.killpg(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+    assert not (trial / "results.json").exists(), "the run finished before it was interrupted: interrupt it sooner"
+
+    again = run(cmd, timeout=300)  # 640 digits, 32 per step: 20 steps
+    assert "(again: its last launch did not finish)" in again.stdout
+    log = (trial / "launch.log").read_text()
+    assert "Resumed from" in log and f"{trial / 'step_'}" in log, log[-3000:]
+    r = results(trial)
+    assert r["learning_rate"] == 0.01 and r["num_processes"] == 1 and r["eval_samples"] == 203
+    assert [cell.strip() for cell in again.stdout.strip().splitlines()[-1].strip("|").split("|")][-1] == "ok"
+    # and once finished, it is done
+    assert run(cmd, timeout=60).stdout.count("done before") == 1
+
+
+def test_sweep_refuses_a_grid_flag_that_is_not_spelled_out(tmp_path):
+    """argparse would read --lr as --lr_scheduler_type (its only flag starting so) and fail late, or worse, not."""
+    proc = run([sys.executable, REPO / "scripts" / "sweep.py", "--grid", "lr=1e-3", "--output_dir", tmp_path,
+                "--", TRAIN_MNIST, "--cpu"], check=False)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        f"error: --grid lr: {TRAIN_MNIST} has no flag --lr (a grid names a flag in full); "
+        f"did you mean --grid lr_scheduler_type=... or --grid learning_rate=...?"]
+    assert not any(tmp_path.iterdir())
 
 
 def test_sweep_rejects_a_malformed_grid_with_one_line(tmp_path):

@@ -61,7 +61,30 @@ def check_launch_config(path) -> str:
         raise UserError(f"{path}: " + "; ".join(problems))
     precision = config.mixed_precision.value if hasattr(config.mixed_precision, "value") else config.mixed_precision
     device = "CPU" if config.use_cpu else "GPU"
-    return f"{path}: {kind}, {processes} process(es) on {machines} machine(s), {device}, mixed precision {precision}"
+    summary = f"{path}: {kind}, {processes} process(es) on {machines} machine(s), {device}, mixed precision {precision}"
+    if config.use_cpu or visible_gpu_count() > 0:
+        return summary
+    return f"{summary}; {without_gpus(kind, processes // machines, precision)}"
+
+
+def visible_gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def without_gpus(kind: str, processes_here: int, precision: str) -> str:
+    """What a GPU config does on this machine, which has none (say, a config checked before copying it to a GPU
+    node): the launcher starts its processes all the same, on the CPU, where the scripts need --cpu to form a group."""
+    if kind == "FSDP":
+        return "no GPU is visible on this machine: FSDP runs on GPUs only; on this one use a CPU config"
+    note = f"no GPU is visible on this machine: here it starts {processes_here} CPU process" + \
+        ("es" if processes_here > 1 else "")
+    if processes_here > 1:
+        note += ", which form one group only if the script gets --cpu (as with accelerate_configs/cpu_2proc.yaml)"
+    if precision == "fp16":
+        note += "; fp16 needs a GPU (the scripts stop): launch with --mixed_precision no"
+    return note
 
 
 INTEGER_KEYS = {"num_processes": 2, "num_machines": 1, "machine_rank": 0, "main_process_port": 29500}  # examples
