@@ -7,6 +7,11 @@
 
 The same file runs on a CPU, one GPU, all GPUs of a node or several nodes: the launch
 config decides. Lines marked `# [accelerate]` are what differs from a plain PyTorch script.
+
+When the training set does not divide into global batches (--batch_size x processes), an epoch trains the whole
+global batches only and leaves the rest out (drop_last: a batch of one image would break BatchNorm): 52 images at
+--batch_size 8 train 48 on 2 or 3 processes, each once, and 4 never, other ones each epoch
+(docs/migration_guide.md, "Uneven data"; tests/test_sample_coverage.py checks it by sample id).
 """
 
 import logging

@@ -11,6 +11,12 @@ loss, tracking and results.json. The same file runs on a CPU, one GPU, all GPUs 
 node or several nodes: the launch config decides. Lines marked `# [accelerate]` are what differs
 from a plain PyTorch script; each block from a `# shared:` line to the next blank line is identical
 in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).
+
+When the training set does not divide into global batches (--batch_size x processes), an epoch also trains the
+samples Accelerate repeats to give every process equally many full batches: 50 samples at --batch_size 8 train
+64 on 2 processes (the first 14 of the epoch's shuffle twice) and 72 on 3 (22 twice), and samples_seen counts
+them. To train each sample exactly once, use a --max_train_samples that divides (docs/migration_guide.md,
+"Uneven data"; tests/test_sample_coverage.py checks it by sample id).
 """
 
 import logging

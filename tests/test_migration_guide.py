@@ -5,6 +5,8 @@ Marker convention, on the line before a ```python fence (every Python block need
     <!-- runnable -->                      python snippet.py
     <!-- runnable: accelerate launch 2 --> accelerate launch --multi_gpu --num_processes 2 --main_process_port 0
     <!-- runnable: torchrun 2 -->          python -m torch.distributed.run --standalone --nproc_per_node 2
+    <!-- runnable: horovod stand-in, torchrun 2 -->  the same, with tests/standins on PYTHONPATH: `import
+                                           horovod.torch` loads a stand-in of Horovod over torch.distributed
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
 break a launched job (the environment variables to delete) are compile-only and launched by their own test.
@@ -37,7 +39,10 @@ RUNNERS = {
     "runnable: accelerate launch 2": lambda path: [*launcher_args(2), path],
     "runnable: torchrun 2": lambda path: [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                           "--nproc_per_node", "2", path],
+    "runnable: horovod stand-in, torchrun 2": lambda path: [sys.executable, "-m", "torch.distributed.run",
+                                                            "--standalone", "--nproc_per_node", "2", path],
 }
+RUNNER_ENV = {"runnable: horovod stand-in, torchrun 2": {"PYTHONPATH": str(REPO / "tests" / "standins")}}
 
 
 def fenced_blocks(text: str = GUIDE) -> list:
@@ -130,7 +135,7 @@ def outcome_of(marker: str, code: str, workdir) -> dict:
     # run() also fails a snippet that leaves a gloo worker thread alive at exit ("Ending a run cleanly")
     # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
     proc = run(RUNNERS[marker](snippet), cwd=workdir, timeout=240,
-               env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}, check=False)
+               env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **RUNNER_ENV.get(marker, {})}, check=False)
     assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
     OUTCOMES[code] = {int(path.stem.split("_")[1]): json.loads(path.read_text())
                       for path in workdir.glob("compared_*.json")}
@@ -223,6 +228,26 @@ def test_the_process_count_check_stops_a_launch_without_cpu(tmp_path):
     error = "error: 2 processes were launched but each runs alone; on a machine without GPUs add --cpu"
     assert proc.returncode != 0 and proc.stderr.count(error) == 2, proc.stderr
     assert 'File "' + str(script) not in proc.stderr  # sys.exit: no traceback through the script
+
+
+def test_the_process_count_check_stops_a_launch_without_multi_gpu(tmp_path):
+    """accelerate launch --num_processes 2 --cpu without --multi_gpu starts one process: without the guide's second
+    check it trains alone to the end, exit status 0; with it, it stops with one line."""
+    code = the_snippet_with('if "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:', RUNNABLE)
+    one_process = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    check_start = code.index('if "MASTER_ADDR" in os.environ')
+    check_end = code.index("\n", code.index("sys.exit(", check_start)) + 1
+    unchecked = code[:check_start] + code[check_end:]
+    unchecked = unchecked.replace("assert world_size == 2 and total.item() == 3.0", "print(f'world_size {world_size}')")
+    assert "world_size {world_size}" in unchecked
+    (tmp_path / "unchecked.py").write_text(unchecked)
+    proc = run([*one_process, tmp_path / "unchecked.py"], cwd=tmp_path, timeout=240)
+    assert "world_size 1" in proc.stdout  # the silent difference: one process, exit 0
+    (tmp_path / "snippet.py").write_text(code)
+    proc = run([*one_process, tmp_path / "snippet.py"], cwd=tmp_path, timeout=240, check=False)
+    error = "error: accelerate launch was asked for several processes but started one; add --multi_gpu to it"
+    assert proc.returncode != 0 and proc.stderr.count(error) == 1, proc.stderr
 
 
 def torch_cuda_available() -> bool:

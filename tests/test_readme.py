@@ -14,7 +14,9 @@ from helpers import REPO, make_synthetic_mnist, results, run
 
 README = (REPO / "README.md").read_text()
 DOCUMENTS = documents()
-MIGRATION_PAIRS = ("minimal_mnist.py", "minimal_mnist_plain.py", "converted_ddp_imagenet_style.py", "ddp_imagenet_style.py")
+MIGRATION_PAIRS = ("minimal_mnist.py", "minimal_mnist_plain.py", "converted_ddp_imagenet_style.py", "ddp_imagenet_style.py",
+                   "converted_horovod_style.py", "horovod_mnist.py", "converted_apex_amp_style.py",
+                   "apex_amp_imagenet_style.py")
 
 
 def text_of(document: str) -> str:
@@ -89,7 +91,7 @@ def test_layout_says_which_scripts_need_utils_and_names_every_utils_module():
     for script, copy_with in rows.items():
         assert (copy_with == "`utils/`") == imports_utils(REPO / script), f"{script}: {copy_with} is not true"
     single = sorted(Path(s).name for s, copy_with in rows.items() if copy_with == "itself alone")
-    assert single == sorted(MIGRATION_PAIRS), "only the two migration pairs are single files"
+    assert single == sorted(MIGRATION_PAIRS), "only the migration pairs are single files"
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "utils").glob("*.py") if p.name != "__init__.py"}
     modules |= {p.relative_to(REPO).as_posix() + "/" for p in (REPO / "utils").iterdir() if (p / "__init__.py").is_file()}
     assert modules == set(re.findall(r"^\| `(utils/[\w/.]+)` \|", layout, flags=re.M)), "one row per utils module"
@@ -143,7 +145,7 @@ def downloads(words: list):
         return "a Hub dataset"
     if "--pretrained" in words:
         return "pretrained weights"
-    if "--data_dir" in words:
+    if "--data_dir" in words or "--data-dir" in words:  # --data-dir: the Horovod-style scripts' spelling
         return None
     models = words[words.index("--models") + 1] if "--models" in words else "mnist"
     for script in (word for word in words if MNIST_SCRIPTS.match(word)):
@@ -192,6 +194,9 @@ RUN_ELSEWHERE = {
     "scripts/predict.py": "needs a trained run: tests/test_predict.py runs the documents' predict.py commands",
     "scripts/converted_ddp_imagenet_style.py": "takes its data as a positional argument: "
                                                "tests/test_whole_script_conversion.py runs it",
+    "scripts/converted_horovod_style.py": "tests/test_whole_script_conversion.py runs it beside its Horovod original",
+    "scripts/converted_apex_amp_style.py": "takes its data as a positional argument: "
+                                           "tests/test_whole_script_conversion.py runs it",
 }
 RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
 

@@ -119,21 +119,24 @@ def test_train_mnist_mid_epoch_resume_on_3_processes_trains_the_rest_of_the_same
     assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
 
 
-def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(synthetic_mnist, tmp_path):
-    """50 samples, 3 processes x 8: 7 batches, the last of 2 samples. Accelerate (even_batches, drop_last False)
-    gives every process 3 full batches: the 72 trained are the epoch's shuffle once, then its first 22 samples again
-    (completing the batch of 2, then two more batches), and nothing else."""
+@pytest.mark.parametrize("processes, padding", [(2, 14), (3, 22)])
+def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(processes, padding, synthetic_mnist, tmp_path):
+    """50 samples at --batch_size 8: 7 batches, the last of 2 samples. Accelerate (even_batches, drop_last False)
+    gives every process as many full batches (2 processes: 4 each, 64 samples; 3: 3 each, 72): the epoch's shuffle
+    once, then its first 14 (22) samples again, completing the batch of 2 and whole batches after it, and nothing
+    else. What the script's docstring and docs/migration_guide.md ("Uneven data") say."""
     log = tmp_path / "padded.log"
     assert_ok(launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", tmp_path / "out",
                                             "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1",
-                                            "--batch_size", "8"], 3, log))
-    per_rank = [[index for _, index in fetched(log, rank)] for rank in range(3)]
+                                            "--batch_size", "8"], processes, log))
+    per_rank = [[index for _, index in fetched(log, rank)] for rank in range(processes)]
     order = global_order(per_rank, 8)
-    assert len(order) == 3 * 3 * 8
+    assert len(order) == 50 + padding
     assert sorted(order[:50]) == list(range(50))  # every sample once...
-    assert order[50:] == order[:22]  # ...then the padding: the first 22 of the shuffle, in order
+    assert order[50:] == order[:padding]  # ...then the padding: the first samples of the shuffle, in order
     r = results(tmp_path / "out")
-    assert r["global_step"] == 3 and r["samples_seen"] == 72  # padding is trained, and counted
+    assert r["num_processes"] == processes
+    assert r["global_step"] == (50 + padding) // (8 * processes) and r["samples_seen"] == 50 + padding  # trained
 
 
 def test_train_mnist_steps_the_scheduler_once_per_optimizer_step(mnist_runs):
@@ -229,3 +232,22 @@ def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest
     r = results(root / "resumed")
     assert r["num_processes"] == 3 and r["gradient_accumulation_steps"] == 1
     assert r["global_step"] == r["lr_scheduler_steps"] == 8 and r["samples_seen"] == 2 * N
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_classifier_drops_the_last_incomplete_round(processes, tmp_path):
+    """52 images at --batch_size 8: 6 full batches and one of 4, which drop_last leaves out; 6 full batches deal
+    evenly over 2 and 3 processes, so an epoch trains 48 distinct images and never the other 4 (a different 4 each
+    epoch). What the script's docstring and docs/migration_guide.md ("Uneven data") say."""
+    data = make_split_image_folder(tmp_path / "data", train_per_class=13, val_per_class=2)  # 4 classes: 52 images
+    log = tmp_path / "dropped.log"
+    args = ["--data_dir", data, "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn",
+            "--image_size", "16", "--optimizer", "adamw", "--warmup_epochs", "0", "--epochs", "1", "--batch_size", "8",
+            "--num_workers", "0"]
+    assert_ok(launch_recorded(CLASSIFIER, args, processes, log))
+    per_rank = [[index for _, index in fetched(log, rank)] for rank in range(processes)]
+    assert [len(ids) for ids in per_rank] == [48 // processes] * processes
+    order = global_order(per_rank, 8)
+    assert len(set(order)) == len(order) == 48 and set(order) <= set(range(52))  # 48 once each, 4 never
+    r = results(tmp_path / "out")
+    assert r["num_processes"] == processes and r["samples_seen"] == 48 and r["global_step"] == 6 // processes

@@ -1,9 +1,18 @@
-"""A whole script converted: scripts/baselines/ddp_imagenet_style.py (pytorch/examples imagenet style: mp.spawn,
-DistributedSampler, all_reduce'd meters, torch.save checkpoints) and scripts/converted_ddp_imagenet_style.py (the
-same on Accelerate). On one process they train the same model bit for bit; on two they print the same per-step
-losses and count every test image once; each resumes exactly where it stopped. docs/converting_a_ddp_script.md
-shows their diff, hunk by hunk, and stays equal to it."""
+"""Whole scripts converted, each pair a "before" written the way a public example writes it and its "after" on
+Accelerate, and a page that shows their diff hunk by hunk and stays equal to it:
 
+- scripts/baselines/ddp_imagenet_style.py (pytorch/examples imagenet: mp.spawn, DistributedSampler, all_reduce'd
+  meters, torch.save checkpoints) -> scripts/converted_ddp_imagenet_style.py, docs/converting_a_ddp_script.md;
+- scripts/baselines/horovod_mnist.py (Horovod's examples/pytorch/pytorch_mnist.py) ->
+  scripts/converted_horovod_style.py, docs/converting_a_horovod_script.md;
+- scripts/baselines/apex_amp_imagenet_style.py (apex's examples/imagenet/main_amp.py) ->
+  scripts/converted_apex_amp_style.py, docs/converting_an_apex_amp_script.md.
+
+Horovod and apex cannot be installed here: their "before" runs on the stand-ins in tests/standins (their calls
+over torch.distributed). On one process each pair trains the same model; on two the after ends with the
+before's weights and reports the exact metric over every test image once; each resumes exactly where it stopped."""
+
+import importlib.util
 import json
 import re
 import socket
@@ -14,7 +23,7 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, launch, requires_mnist_10k, run
+from helpers import MNIST_10K, REPO, launch, launcher_args, requires_mnist_10k, run
 from safetensors.torch import load_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -22,6 +31,15 @@ from torch.utils.data.distributed import DistributedSampler
 BEFORE = REPO / "scripts" / "baselines" / "ddp_imagenet_style.py"
 AFTER = REPO / "scripts" / "converted_ddp_imagenet_style.py"
 PAGE = REPO / "docs" / "converting_a_ddp_script.md"
+HOROVOD_BEFORE = REPO / "scripts" / "baselines" / "horovod_mnist.py"
+HOROVOD_AFTER = REPO / "scripts" / "converted_horovod_style.py"
+HOROVOD_PAGE = REPO / "docs" / "converting_a_horovod_script.md"
+APEX_BEFORE = REPO / "scripts" / "baselines" / "apex_amp_imagenet_style.py"
+APEX_AFTER = REPO / "scripts" / "converted_apex_amp_style.py"
+APEX_PAGE = REPO / "docs" / "converting_an_apex_amp_script.md"
+CONVERSIONS = [(BEFORE, AFTER, PAGE), (HOROVOD_BEFORE, HOROVOD_AFTER, HOROVOD_PAGE),
+               (APEX_BEFORE, APEX_AFTER, APEX_PAGE)]
+STANDINS = {"PYTHONPATH": str(REPO / "tests" / "standins"), **{"OMP_NUM_THREADS": "1"}}
 # 512 training images = 8 global batches of 64 (no padded last batch); 101 test images: an odd tail on 2 processes.
 # -b is per node, so 1 and 2 processes train on the same global batches.
 TRAIN = [MNIST_10K, "--train-samples", "512", "--val-samples", "101", "-b", "64", "-j", "0", "-p", "1"]
@@ -143,35 +161,202 @@ def test_a_resumed_run_ends_as_the_uninterrupted_one(runs):
         assert_equal_state(state(resumed_folder), state(folder))
 
 
-def conversion_diff() -> str:
-    return subprocess.run(["diff", "-U0", "--label", "scripts/baselines/ddp_imagenet_style.py", "--label",
-                           "scripts/converted_ddp_imagenet_style.py", BEFORE, AFTER],
-                          capture_output=True, text=True).stdout
+def conversion_diff(before, after) -> str:
+    return subprocess.run(["diff", "-U0", "--label", str(before.relative_to(REPO)), "--label",
+                           str(after.relative_to(REPO)), before, after], capture_output=True, text=True).stdout
 
 
 def hunks(diff: str) -> list:
     return re.findall(r"^@@ .*\n(?:[-+].*\n)*", diff, flags=re.M)
 
 
-def test_the_page_shows_every_hunk_of_the_real_diff_and_each_is_marked():
-    diff = conversion_diff()
+@pytest.mark.parametrize("before, after, page", CONVERSIONS, ids=lambda path: path.stem)
+def test_the_page_shows_every_hunk_of_the_real_diff_and_each_is_marked(before, after, page):
+    diff = conversion_diff(before, after)
     real = hunks(diff)
-    shown = [hunk for block in re.findall(r"```diff\n(.*?)```", PAGE.read_text(), flags=re.S) for hunk in hunks(block)]
-    assert len(real) > 20 and shown == real, "the page's diff is stale: paste the hunks of the diff -U0 it names"
-    docstring_end = AFTER.read_text().splitlines().index('"""') + 1
+    shown = [hunk for block in re.findall(r"```diff\n(.*?)```", page.read_text(), flags=re.S) for hunk in hunks(block)]
+    assert len(real) > 20 and shown == real, f"{page.name} is stale: paste the hunks of the diff -U0 it names"
+    docstring_end = after.read_text().splitlines().index('"""') + 1
     for hunk in real:
         added = [line for line in hunk.splitlines()[1:] if line.startswith("+")]
         if added and int(re.match(r"@@ -\S+ \+(\d+)", hunk).group(1)) > docstring_end:
             assert any("# [accelerate]" in line for line in added), hunk
     added_code = "\n".join(line for hunk in real for line in hunk.splitlines() if line.startswith("+"))
-    for call in ("prepare", "backward", "gather_for_metrics", "save_state", "load_state", "reduce"):
+    for call in ("prepare", "backward", "gather_for_metrics"):
         assert f"accelerator.{call}(" in added_code, call
-    for script in (BEFORE, AFTER):
+    for script in (before, after):
         assert not re.search(r"^(from|import) utils\b", script.read_text(), flags=re.M), f"{script.name} uses utils/"
 
 
-def test_the_page_commands_name_existing_files_and_flags(helps):
-    commands = bash_commands(PAGE.read_text())
-    assert any("ddp_imagenet_style.py" in c for c in commands) and any("accelerate launch" in c for c in commands)
+@pytest.mark.parametrize("page", [PAGE, HOROVOD_PAGE, APEX_PAGE], ids=lambda path: path.stem)
+def test_the_page_commands_name_existing_files_and_flags(page, helps):
+    commands = bash_commands(page.read_text())
+    assert any("accelerate launch" in c for c in commands)
     for command in commands:
         check_command(command, helps)
+
+
+def test_the_ddp_page_and_the_readme_list_the_three_conversions():
+    readme = (REPO / "README.md").read_text()
+    for _, after, page in CONVERSIONS:
+        assert page.name in PAGE.read_text() and after.name in PAGE.read_text(), page.name
+        assert f"(docs/{page.name})" in readme, page.name
+
+
+# ---------------------------------------------------------------- Horovod's pytorch_mnist.py
+
+def script_module(path):
+    """The converted script as a module (its Net and load_split; main() does not run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def exact_evaluation(script, weights, samples):
+    """(accuracy in %, mean loss, count) of `weights` over the first `samples` test images, on one process."""
+    module = script_module(script)
+    model = module.Net()
+    model.load_state_dict({name.removeprefix("module."): tensor for name, tensor in weights.items()})
+    images, labels = module.load_split(MNIST_10K, "t10k", samples).tensors
+    with torch.no_grad():
+        output = model.eval()(images)
+    log_probabilities = torch.log_softmax(output, dim=1)
+    loss = torch.nn.functional.nll_loss(log_probabilities, labels).item()
+    return (output.argmax(1) == labels).float().mean().item() * 100, loss, len(labels)
+
+
+HOROVOD_ARGS = ["--data-dir", MNIST_10K, "--train-samples", "512", "--test-samples", "101", "--epochs", "2",
+                "--log-interval", "2", "--lr", "0.05", "--no-cuda"]
+HOROVOD_TRAIN = re.compile(r"^Train Epoch: (\d+) \[(\d+)/(\d+) \(\d+%\)\]\tLoss: (\S+)$", flags=re.M)
+HOROVOD_TEST = re.compile(r"^Test set: Average loss: (\S+), Accuracy: (\S+)% \((\d+) samples\)$", flags=re.M)
+
+
+@pytest.fixture(scope="module")
+def horovod_runs(tmp_path_factory):
+    """Each script on 1 process and on 2 (the before under torchrun on the Horovod stand-in): printed output and
+    saved weights of each."""
+    out = tmp_path_factory.mktemp("horovod")
+    results = {}
+    for processes in (1, 2):
+        weights = out / f"before_{processes}.pt"
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", processes]
+        before = run([*(torchrun if processes > 1 else [sys.executable]), HOROVOD_BEFORE, *HOROVOD_ARGS,
+                      "--save-model", weights], env=STANDINS).stdout
+        results["before", processes] = before, torch.load(weights, weights_only=True)
+        weights = out / f"after_{processes}.pt"
+        # one process: plain python, as a user may run it (an Accelerator needs no launcher), and half the start-up
+        # cost; launch() would add --cpu, which this script spells --no-cuda (in HOROVOD_ARGS)
+        launcher = launcher_args(processes) if processes > 1 else [sys.executable]
+        after = run([*launcher, HOROVOD_AFTER, *HOROVOD_ARGS, "--save-model", weights], env=ONE_THREAD).stdout
+        results["after", processes] = after, torch.load(weights, weights_only=True)
+    return results
+
+
+@requires_mnist_10k
+def test_horovod_one_process_trains_the_same_model_bit_for_bit(horovod_runs):
+    (before, before_weights), (after, after_weights) = horovod_runs["before", 1], horovod_runs["after", 1]
+    assert len(HOROVOD_TRAIN.findall(before)) == 8 and HOROVOD_TRAIN.findall(before) == HOROVOD_TRAIN.findall(after)
+    assert before_weights.keys() == after_weights.keys()
+    assert all(torch.equal(before_weights[name], after_weights[name]) for name in before_weights)
+    for (loss_b, acc_b, count_b), (loss_a, acc_a, count_a) in zip(HOROVOD_TEST.findall(before),
+                                                                  HOROVOD_TEST.findall(after), strict=True):
+        # the before's metric_average passes the mean through a float32 tensor: its last digit may differ
+        assert acc_b == acc_a and count_b == count_a == "101"
+        assert float(loss_b) == pytest.approx(float(loss_a), abs=2e-6)
+
+
+@requires_mnist_10k
+def test_horovod_two_processes_end_with_the_befores_weights_and_the_exact_metric(horovod_runs):
+    """lr * hvd.size() kept as lr * num_processes: the same weights; gather_for_metrics: the exact test metric over
+    101 images, where the before averages two per-process means over 51 + 51 (one image twice)."""
+    (before, before_weights), (after, after_weights) = horovod_runs["before", 2], horovod_runs["after", 2]
+    assert "Train Epoch: 2 [0/256" in before and "Train Epoch: 2 [0/256" in after  # 256 samples per process
+    for name in before_weights:  # measured: 3e-8 apart (which process holds which sample differs)
+        torch.testing.assert_close(after_weights[name], before_weights[name], rtol=0, atol=1e-6)
+    loss, accuracy, count = HOROVOD_TEST.findall(after)[-1]
+    exact_accuracy, exact_loss, exact_count = exact_evaluation(HOROVOD_AFTER, after_weights, 101)
+    assert int(count) == exact_count == 101
+    assert float(accuracy) == pytest.approx(exact_accuracy, abs=1e-4)
+    assert float(loss) == pytest.approx(exact_loss, abs=1e-6)
+    assert exact_evaluation(HOROVOD_AFTER, before_weights, 101)[0] == exact_accuracy
+    assert HOROVOD_TEST.findall(before)[-1][2] == "102"  # the before's padded shards: what it averaged over
+
+
+# ---------------------------------------------------------------- apex's main_amp.py
+
+APEX_ARGS = [MNIST_10K, "--train-samples", "512", "--val-samples", "101", "-j", "0", "-p", "2", "--opt-level", "O0",
+             "--deterministic", "--cpu", "--lr", "0.4"]
+APEX_STEP = re.compile(r"^Epoch: \[(\d+)\]\[(\d+)/(\d+)\]\tLoss (\S+) ", flags=re.M)
+APEX_EVALUATION = re.compile(r"^ \* Prec@1 (\S+) Prec@5 (\S+) Loss (\S+) \((\d+) images\)$", flags=re.M)
+
+
+@pytest.fixture(scope="module")
+def apex_runs(tmp_path_factory):
+    """One process, 2 epochs of one batch of 512 (see the test); two processes, -b 32 (8 steps per epoch): the before
+    for 2 epochs under torch.distributed.launch on the apex stand-in, the after for 1 epoch and then --resume for the
+    second. Printed output and working folder of each."""
+    out = tmp_path_factory.mktemp("apex")
+    results = {}
+    for name in ("before_1", "after_1", "before_2", "after_2"):
+        (out / name).mkdir()
+    one_batch = [*APEX_ARGS, "-b", "512", "--epochs", "2", "-p", "1"]
+    results["before", 1] = run([sys.executable, APEX_BEFORE, *one_batch], env=STANDINS, cwd=out / "before_1").stdout
+    # one process: plain python (an Accelerator needs no launcher), half the start-up cost of accelerate launch
+    results["after", 1] = run([sys.executable, APEX_AFTER, *one_batch], env=ONE_THREAD, cwd=out / "after_1").stdout
+    launcher = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "2"]
+    results["before", 2] = run([*launcher, APEX_BEFORE, *APEX_ARGS, "-b", "32", "--epochs", "2"], env=STANDINS,
+                               cwd=out / "before_2").stdout
+    first = launch([*APEX_ARGS, "-b", "32", "--epochs", "1"], num_processes=2, script=APEX_AFTER, env=ONE_THREAD,
+                   cwd=out / "after_2").stdout
+    second = launch([*APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"], num_processes=2,
+                    script=APEX_AFTER, env=ONE_THREAD, cwd=out / "after_2").stdout
+    results["after", 2] = first + second
+    return out, results
+
+
+@requires_mnist_10k
+def test_apex_one_process_trains_the_same_model(apex_runs):
+    """One process: the before shuffles with the global RNG (DataLoader(shuffle=True), no sampler), which no
+    Accelerate sampler reproduces; with one batch per epoch the order inside it only changes the summation order."""
+    out, results = apex_runs
+    before, after = results["before", 1], results["after", 1]
+    assert [step[:3] for step in APEX_STEP.findall(before)] == [("0", "1", "1"), ("1", "1", "1")]
+    for (*_, loss_b), (*_, loss_a) in zip(APEX_STEP.findall(before), APEX_STEP.findall(after), strict=True):
+        assert float(loss_b) == pytest.approx(float(loss_a), abs=1e-6)
+    for (acc_b, _, loss_b, count_b), (acc_a, _, loss_a, count_a) in zip(APEX_EVALUATION.findall(before),
+                                                                        APEX_EVALUATION.findall(after), strict=True):
+        assert acc_b == acc_a and count_b == count_a == "101"
+        assert float(loss_b) == pytest.approx(float(loss_a), abs=1e-5)
+    before_weights = torch.load(out / "before_1" / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    after_weights = load_file(out / "after_1" / "checkpoint" / "model.safetensors")
+    for name in after_weights:
+        torch.testing.assert_close(after_weights[name], before_weights[name], rtol=0, atol=1e-6)
+
+
+@requires_mnist_10k
+def test_apex_two_processes_resumed_end_as_the_uninterrupted_before_with_the_exact_metric(apex_runs):
+    """The after's 2 epochs, the second after --resume, print the before's per-step losses (reduce_tensor) and end
+    with its weights; its evaluation is the exact one over 101 images, where the before averages per-batch
+    precisions over padded shards of 51 and prints its own 51."""
+    out, results = apex_runs
+    before, after = results["before", 2], results["after", 2]
+    assert "=> loaded checkpoint 'checkpoint' (epoch 1)" in after
+    steps_before, steps_after = APEX_STEP.findall(before), APEX_STEP.findall(after)
+    assert len(steps_before) == 8 and [s[:3] for s in steps_before] == [s[:3] for s in steps_after]
+    for (*_, loss_b), (*_, loss_a) in zip(steps_before, steps_after):
+        assert float(loss_b) == pytest.approx(float(loss_a), abs=1e-6)  # measured: 2.4e-7 apart
+    before_checkpoint = torch.load(out / "before_2" / "checkpoint.pth.tar", weights_only=True)
+    after_weights = load_file(out / "after_2" / "checkpoint" / "model.safetensors")
+    for name in after_weights:
+        torch.testing.assert_close(after_weights[name], before_checkpoint["state_dict"]["module." + name], rtol=0,
+                                   atol=1e-6)
+    progress = json.loads((out / "after_2" / "checkpoint" / "progress.json").read_text())
+    assert progress["epoch"] == before_checkpoint["epoch"] == 2
+    accuracy, _, loss, count = APEX_EVALUATION.findall(after)[-1]
+    exact_accuracy, exact_loss, exact_count = exact_evaluation(APEX_AFTER, after_weights, 101)
+    assert int(count) == exact_count == 101
+    assert float(accuracy) == pytest.approx(exact_accuracy, abs=1e-3)
+    assert float(loss) == pytest.approx(exact_loss, abs=1e-6)
+    assert APEX_EVALUATION.findall(before)[-1][3] == "51"  # each process's padded shard
+    assert progress["best_prec1"] == pytest.approx(max(float(a) for a, *_ in APEX_EVALUATION.findall(after)), abs=1e-3)

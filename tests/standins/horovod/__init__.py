@@ -1,0 +1,1 @@
+"""Stand-in for the `horovod` package (tests/standins/README.md): only `horovod.torch` is provided."""
