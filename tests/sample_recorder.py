@@ -5,7 +5,8 @@ SCRIPT runs, its training dataset is wrapped so that every __getitem__ appends o
 $SAMPLE_LOG.rank{RANK} (from a DataLoader worker: $SAMPLE_LOG.rank{RANK}.worker{ID}), in fetch order, flushed
 at once. EPOCH is the image dataset's own epoch (what TransformedImages seeds its augmentations with); the
 MNIST TensorDataset has none, so it is -1 there. The evaluation datasets are left alone. When SCRIPT ends,
-its exit status goes to $SAMPLE_LOG.rank{RANK}.exit.
+its exit status goes to $SAMPLE_LOG.rank{RANK}.exit. Stopped by SIGTERM (the launcher does that to the other processes
+when one fails), a process prints its Python threads' stacks first.
 
 With --mixup_alpha/--cutmix_alpha the mixed sample is what trains: its line is "EPOCH INDEX PARTNER KIND LAM
 DIGEST" (utils/mixing.py: PARTNER -1 and KIND "-" when it is not mixed; DIGEST: a hash of its pixels and target), and
@@ -21,9 +22,11 @@ fetched one batch more than it trained.)
 Also `--model tests.sample_recorder:tiny_cnn`: a classifier small enough that a checkpoint costs nothing.
 """
 
+import faulthandler
 import hashlib
 import os
 import runpy
+import signal
 import sys
 import zlib
 from pathlib import Path
@@ -139,6 +142,10 @@ def tiny_cnn(num_classes: int) -> nn.Module:
 
 def main(argv) -> None:
     sys.path.insert(0, str(REPO))  # the same `utils` package that SCRIPT imports
+    # A process that the launcher stops because another one failed (e.g. a collective that timed out waiting for this
+    # one) first prints where each of its Python threads was: the test's output then names where a late process stood.
+    # (--save_on_signal replaces this with its own handler.)
+    faulthandler.register(signal.SIGTERM, chain=True)
     _patch_datasets()
     script, *script_args = argv
     sys.argv = [script, *script_args]

@@ -94,6 +94,16 @@ def test_a_truncated_training_state_is_skipped_by_latest_and_refused_by_name(tmp
         checkpoints.resolve_checkpoint(str(tmp_path / "step_2"), tmp_path)
 
 
+def test_latest_is_the_newest_good_checkpoint_of_several(tmp_path):
+    """Four good checkpoints: 'latest' is step_4; with step_4 damaged, step_3 (the newest good one, not the oldest)."""
+    for step in (1, 2, 3, 4):
+        _write_checkpoint(tmp_path, step)
+    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_4"
+    (tmp_path / "step_4" / "model.safetensors").write_bytes(b"\0" * 4096)  # same size, other bytes
+    assert checkpoints.resolve_checkpoint("latest", tmp_path) == tmp_path / "step_3"
+    assert checkpoints.newest_good_checkpoint(tmp_path) == tmp_path / "step_3"
+
+
 def test_a_checkpoint_without_a_manifest_loads_with_one_warning(tmp_path, caplog):
     _write_checkpoint(tmp_path, 1)
     (tmp_path / "step_1" / MANIFEST).unlink()  # as saved before manifests existed

@@ -51,6 +51,7 @@ def test_corrupt_idx_file(data, tmp_path):
     ("--epochs", "two", ["--epochs", "positive integer"]),
     ("--learning_rate", "-1", ["--learning_rate", "positive number"]),
     ("--learning_rate", "nan", ["--learning_rate", "positive number"]),
+    ("--learning_rate", "0", ["--learning_rate", "positive number"]),  # a run that cannot learn
     ("--checkpointing_steps", "sometimes", ["--checkpointing_steps", "'epoch' or a positive integer"]),
     ("--gradient_accumulation_steps", "-2", ["--gradient_accumulation_steps", "positive integer"]),
     ("--mixed_precision", "fp8", ["--mixed_precision", "invalid choice: 'fp8'"]),
@@ -64,6 +65,14 @@ def test_invalid_flag_values(flag, value, words, capsys):
     assert line.startswith("error: ")
     for word in words:
         assert word in line
+
+
+def test_a_librarys_error_is_cut_to_its_first_line_or_named_by_its_type():
+    from utils.errors import first_line
+
+    assert first_line(RuntimeError("shapes differ\n  at layer 3\n  ...")) == "shapes differ"
+    assert first_line(KeyError()) == "KeyError" and first_line(ValueError("  \n")) == "ValueError"
+    assert first_line(OSError("x" * 500)) == "x" * 200
 
 
 def test_offline_without_data_dir_names_the_flag(tmp_path):

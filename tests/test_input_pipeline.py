@@ -16,6 +16,7 @@ from utils.image_data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     TransformedImages,
+    _region_scaled,
     collate_images,
     decode_and_transform,
     decode_rgb,
@@ -228,6 +229,21 @@ def test_the_reduction_leaves_the_region_at_least_the_output_size_and_a_photo_at
         reductions = []
         transform.apply_to_file(data, recorded_decodes(data, reductions))
         assert reductions == [1]
+
+
+def test_a_region_scales_to_the_reduced_decode_by_each_sides_own_factor():
+    """libjpeg-turbo decodes at 1/r to the ceiling of each side over r: 333 x 500 at 1/4 is 84 x 125, 375 x 500 at 1/8
+    is 47 x 63, so rows and columns scale by different factors. A region's rows scale by the height's factor and its
+    columns by the width's, to the nearest pixel (regions in the upper left half: never clipped at an edge)."""
+    for size, shape in (((333, 500), (84, 125)), ((375, 500), (47, 63)), ((500, 333), (125, 84))):
+        scale_y, scale_x = shape[0] / size[0], shape[1] / size[1]
+        for top in range(0, size[0] // 2, 3):
+            for left in range(0, size[1] // 2, 37):
+                region = {"top": top, "left": left, "height": size[0] // 2 - 9, "width": size[1] // 2 - 9}
+                scaled = _region_scaled(region, size, shape)
+                assert abs(scaled["top"] - top * scale_y) <= 0.5 and abs(scaled["left"] - left * scale_x) <= 0.5
+                assert abs(scaled["height"] - region["height"] * scale_y) <= 0.5
+                assert abs(scaled["width"] - region["width"] * scale_x) <= 0.5
 
 
 def test_only_training_recipes_draw_random_numbers_so_evaluation_images_skip_the_seeding():

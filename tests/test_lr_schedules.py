@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
-from helpers import REPO, launch, make_synthetic_mnist, results
+from helpers import REPO, launch, load_script, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 
 from utils.flags import LR_SCHEDULER_TYPES
-from utils.optim import build_lr_scheduler
+from utils.optim import build_lr_scheduler, build_optimizer
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PEAK, TOTAL = 0.5, 40
@@ -36,6 +36,7 @@ def test_the_warmup_climbs_linearly_to_the_peak(name):
     rates = learning_rates(name, warmup_steps=4)
     assert rates[:5] == pytest.approx([PEAK / 4, PEAK / 2, 3 * PEAK / 4, PEAK, PEAK])
     assert learning_rates(name, warmup_epochs=0.4) == rates  # 0.4 epochs of 10 steps: the same 4 steps
+    assert learning_rates(name, warmup_epochs=0.38) == rates  # 3.8 steps: rounded to the nearest step, 4
     assert max(rates) == pytest.approx(PEAK)
 
 
@@ -63,6 +64,25 @@ def test_onecycle_without_warmup_flags_is_the_mnist_recipe_exactly():
     assert learning_rates("onecycle") == expected
     rates = learning_rates("onecycle", warmup_steps=10)  # its rising phase: 10 steps, the peak after them
     assert max(rates) == pytest.approx(PEAK) and rates.index(max(rates)) == 9
+
+
+def test_warmup_steps_replace_the_scripts_default_warmup_epochs():
+    """train_image_classifier.py warms up 1 epoch by default; --warmup_steps replaces that (the two are exclusive)."""
+    script = load_script(CLASSIFIER)
+    assert (script.parse_args(["--data_dir", "d"]).warmup_epochs, script.parse_args(["--data_dir", "d"]).warmup_steps) \
+        == (1.0, None)
+    args = script.parse_args(["--data_dir", "d", "--warmup_steps", "5"])
+    assert (args.warmup_epochs, args.warmup_steps) == (None, 5)
+
+
+def test_the_optimizers_take_the_learning_rate_weight_decay_and_momentum_given():
+    model = torch.nn.Linear(2, 2)
+    (sgd,) = build_optimizer(model, "sgd", 0.1, 1e-4, momentum=0.8).param_groups
+    assert isinstance(sgd["params"][0], torch.nn.Parameter) and len(sgd["params"]) == 2
+    assert (sgd["lr"], sgd["weight_decay"], sgd["momentum"]) == (0.1, 1e-4, 0.8)
+    adamw = build_optimizer(model, "adamw", 1e-3, 0.05)
+    assert isinstance(adamw, torch.optim.AdamW)
+    assert (adamw.param_groups[0]["lr"], adamw.param_groups[0]["weight_decay"]) == (1e-3, 0.05)
 
 
 @pytest.fixture(scope="module")

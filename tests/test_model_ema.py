@@ -82,6 +82,20 @@ def test_the_average_starts_as_a_copy_then_moves_by_one_minus_decay_and_copies_c
     assert all(torch.equal(a, b) for a, b in zip(restored.module.state_dict().values(), averaged.state_dict().values()))
 
 
+def test_the_warmup_decay_is_that_of_the_updates_done_before_this_one():
+    """--model_ema_warmup, weights 1, 3, 7, 15: decays 0 (a copy), 1 - 2^-2/3, 1 - 3^-2/3, 1 - 4^-2/3 (timm's for its
+    steps 1, 2, 3, 4), so the average reads 1, 2.2599, 4.5387, 8.6903 (one update off: 1, 1.9615, 3.961, 7.7363)."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    ema = ModelEma(model, decay=0.9998, warmup=True)
+    averages = []
+    for value in (1.0, 3.0, 7.0, 15.0):
+        with torch.no_grad():
+            model.weight.fill_(value)
+        ema.update()
+        averages.append(ema.module.weight.item())
+    assert averages == pytest.approx([1.0, 2.2599, 4.5387, 8.6903], abs=1e-4)
+
+
 # ---------------------------------------------------------------- flags
 
 
@@ -248,6 +262,14 @@ def test_a_checkpoint_and_the_flags_that_disagree_about_the_average_are_one_line
                              "--model_ema_decay", "0.99", "--model_ema_warmup"])
     with pytest.raises(UserError, match=r"model_ema_decay 0.9998 -> 0.99\)"):
         check_output_dir(mnist.describe_run(args), with_ema[0] / "step_7", args)
+    # a resume that drops --model_ema (the checkpoint's run.json has keys this run lacks), or adds it
+    for out, ema_flags, difference in ((with_ema[0], [], "model_ema_decay 0.9998 -> None"),
+                                       (without_ema, ["--model_ema"], "model_ema_decay None -> 0.9998")):
+        args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(out), *ema_flags])
+        with pytest.raises(UserError, match=difference):
+            check_output_dir(mnist.describe_run(args), out / "step_7", args)
+    args = mnist.parse_args(["--data_dir", str(digits), *COMMON, "--output_dir", str(without_ema)])
+    check_output_dir(mnist.describe_run(args), without_ema / "step_7", args)  # its own flags: accepted
 
 
 # ---------------------------------------------------------------- train_image_classifier.py under --compile

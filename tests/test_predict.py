@@ -15,11 +15,12 @@ import torch
 from doc_commands import document_commands, runnable
 from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results, run, skip_or_fail_in_ci
 from image_data import make_split_image_folder
+from torch.utils.data import DataLoader, TensorDataset
 
 from utils.data import load_mnist_idx
 from utils.errors import UserError
-from utils.predictions import read_inputs, read_trained_run
-from utils.results import write_text_atomically
+from utils.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
+from utils.results import check_writable_file, write_text_atomically
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -180,6 +181,64 @@ def test_the_splits_of_an_image_folder_are_those_training_made(image_run, mnist_
         read_inputs(read_trained_run(mnist_run[1]), dataset="uoft-cs/cifar10")
 
 
+def test_best_of_a_run_resumed_with_other_epochs_and_processes_still_predicts(image_run, tmp_path):
+    """A resume may change --epochs and the process count (the run folder's run.json then says so, best/'s keeps
+    those of its time): best/ is still that run's. A run.json that differs in what defines the run is refused."""
+    _, out = image_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    record = json.loads((copy / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**record, "epochs": record["epochs"] + 2, "num_processes": 3,
+                                               "global_batch_size": 24}))
+    assert read_trained_run(copy / "best").run == json.loads((out / "best" / "run.json").read_text())
+    (copy / "run.json").write_text(json.dumps({**record, "image_size": 32}))
+    with pytest.raises(UserError, match="its run.json is not that of the run in"):
+        read_trained_run(copy / "best")
+
+
+def test_the_inputs_are_padded_to_whole_batches_with_copies_of_the_first():
+    """13 inputs in batches of 4: 16 positions, every batch whole (a smaller last batch can round differently,
+    so its probabilities would depend on the process count), positions 13-15 the first 3 inputs again."""
+    inputs = TensorDataset(torch.arange(13).view(13, 1), torch.arange(13) % 4)
+    batches = WholeBatches(inputs, 4, torch.zeros(1, dtype=torch.int64), stop_on_error=True)
+    assert len(batches) == 16
+    assert [len(positions) for _, _, positions, _ in DataLoader(batches, batch_size=4)] == [4, 4, 4, 4]
+    assert [batches[p][0].item() for p in range(16)] == [*range(13), 0, 1, 2]
+    assert [batches[p][2] for p in range(16)] == list(range(16))
+
+
+def test_the_rows_are_in_input_order_whatever_the_order_gathered():
+    """The columns as 2 processes gather them (the padding included), shuffled: one row per input, in input order,
+    each with its own prediction; a position gathered twice, or missing, stops with an error."""
+    inputs = Inputs(TensorDataset(torch.zeros(5, 1), torch.tensor([0, 1, 2, 0, 1])), torch.zeros(1),
+                    ["a", "b", "c"], lambda i: f"eval/{i}", "5 inputs")
+    batches = WholeBatches(inputs.dataset, 4, inputs.blank, stop_on_error=True)
+    positions = torch.tensor([6, 2, 0, 4, 7, 3, 1, 5])  # 5, 6 and 7 are padding: copies of inputs 0, 1 and 2
+    labels = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])[positions]
+    predicted = (positions + 1) % 3  # each input's own top class, from its position
+    probability = positions / 10
+    columns = tuple([column[:4], column[4:]] for column in (positions, torch.zeros(8, dtype=torch.int64), labels,
+                                                            predicted[:, None], probability[:, None]))
+    text, counts = predictions_csv(columns, inputs, batches, ["a", "b", "c"], top_k=1)
+    assert text.splitlines() == ["index,source,label,class_1,probability_1,error",
+                                 "0,eval/0,a,b,0.000000,", "1,eval/1,b,c,0.100000,", "2,eval/2,c,a,0.200000,",
+                                 "3,eval/3,a,b,0.300000,", "4,eval/4,b,c,0.400000,"]
+    assert counts == {"labelled": 5, "correct": 0, "unreadable": 0}
+    twice = tuple([torch.cat(column)[[2, 1, 1, 5, 3]]] for column in columns)  # inputs 0, 2, 2, 3, 4: 1 is missing
+    with pytest.raises(RuntimeError, match="not each once"):
+        predictions_csv(twice, inputs, batches, ["a", "b", "c"], top_k=1)
+
+
+def test_an_output_file_that_is_a_folder_or_in_a_file_is_refused_before_the_work(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(UserError, match=f"cannot write --output_file {tmp_path} \\(it is a folder\\)"):
+        check_writable_file(tmp_path, "--output_file")
+    with pytest.raises(UserError, match="cannot write --output_file .*a_file/p.csv"):
+        check_writable_file(tmp_path / "a_file" / "p.csv", "--output_file")
+    check_writable_file(tmp_path / "new" / "p.csv", "--output_file")  # its folder is made
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "p.csv").exists()
+
+
 def test_the_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     path = tmp_path / "predictions.csv"
     path.write_text("old\n")
@@ -231,6 +290,32 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
         differences.append(abs(logits - expected[start:start + len(batch)]).max())
     assert max(differences) <= 1e-4, differences
     print(f"ONNX vs PyTorch, max abs difference of the logits: {max(differences):.2e}")
+
+
+def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_path):
+    """An MNIST run exports with MNIST's normalisation inside (not the images' mean and std): onnxruntime's logits on
+    the run's digits are the ConvNet's."""
+    if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime")):
+        skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
+    import onnxruntime
+    from safetensors.torch import load_file
+
+    from utils.data import normalise_mnist
+    from utils.models import ConvNet
+
+    data, out = mnist_run
+    path = tmp_path / "mnist.onnx"
+    proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", out, "--data_dir", data, "--export", "onnx",
+                "--export_file", path, "--batch_size", "16"])
+    assert f"Wrote {path}" in proc.stdout
+    digits = load_mnist_idx(data)["test"][0][:16].unsqueeze(1)  # uint8 (16, 1, 28, 28), as predict.py reads them
+    model = ConvNet()
+    model.load_state_dict(load_file(out / "model.safetensors"))
+    with torch.no_grad():
+        expected = model.eval()(normalise_mnist(digits)).numpy()
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"images": digits.numpy()})[0]
+    assert logits.shape == (16, 10) and abs(logits - expected).max() <= 1e-4, abs(logits - expected).max()
 
 
 def test_documented_predict_commands_run(image_run, mnist_run, tmp_path):

@@ -112,12 +112,13 @@ def test_overwrite_output_dir_and_resume_are_one_line_together(capsys):
     from utils.flags import build_mnist_parser, check_flag_combinations
 
     parser = build_mnist_parser("test")
-    args = parser.parse_args(["--overwrite_output_dir", "--resume_from_checkpoint", "latest"])
-    try:
-        check_flag_combinations(parser, args)
-    except SystemExit as exit_:
-        assert exit_.code == 2
-    else:
-        raise AssertionError("--overwrite_output_dir with --resume_from_checkpoint was accepted")
-    (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: ") and "--overwrite_output_dir" in line and "--resume_from_checkpoint" in line
+    for checkpoint in ("latest", "outputs/step_4"):  # 'latest', or a checkpoint by name
+        args = parser.parse_args(["--overwrite_output_dir", "--resume_from_checkpoint", checkpoint])
+        try:
+            check_flag_combinations(parser, args)
+        except SystemExit as exit_:
+            assert exit_.code == 2
+        else:
+            raise AssertionError(f"--overwrite_output_dir with --resume_from_checkpoint {checkpoint} was accepted")
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("error: ") and "--overwrite_output_dir" in line and "--resume_from_checkpoint" in line

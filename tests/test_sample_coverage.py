@@ -34,12 +34,17 @@ CLASSIFIER_ARGS = [*COMMON, "--model", "tests.sample_recorder:tiny_cnn", "--imag
 
 def launch_recorded(script, args, num_processes, log):
     """accelerate launch the script under the recorder; unchecked: a test reads what a broken run left. Processes
-    out of step (a bug) fail after --ddp_timeout 60; the whole session is killed if it still runs at 240 s."""
-    cmd = [*launcher_args(num_processes), RECORDER, script, "--cpu", *map(str, args), "--ddp_timeout", "60"]
+    out of step (a bug) fail after --ddp_timeout 120; the whole session is killed if it still runs at 360 s.
+
+    120 s, from what these runs wait in a collective on 2 cores loaded to a load average of 8-15 (issue 30, stacks
+    sampled every second in 4 resumed 3-process runs): at most 2 s once training, but up to 33 s at the start in
+    main_process_first's barrier (rank 0 builds the datasets, the model and the metric, the others wait), then up to
+    37 s for rank 0 in DDP's parameter check while the others build theirs. At 60 s that left a margin of 1.6."""
+    cmd = [*launcher_args(num_processes), RECORDER, script, "--cpu", *map(str, args), "--ddp_timeout", "120"]
     job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            errors="replace", env={**os.environ, "SAMPLE_LOG": str(log)}, start_new_session=True)
     try:
-        stdout, stderr = job.communicate(timeout=240)
+        stdout, stderr = job.communicate(timeout=360)
     except subprocess.TimeoutExpired:
         os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
         stdout, stderr = job.communicate()
@@ -62,7 +67,8 @@ def global_order(per_rank, batch_size):
 
 
 def assert_ok(proc):
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    """The end of a failed run's output, with the stacks that tests/sample_recorder.py prints for a stopped process."""
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
 
 
 def training_state(checkpoint):

@@ -36,6 +36,24 @@ def test_shell_scripts_pass_bash_n_and_shellcheck(script):
     assert lint.returncode == 0, lint.stdout + lint.stderr
 
 
+@pytest.mark.parametrize("cpus_on_node, threads", [(8, 4), (3, 1), (1, 1)])
+def test_multigpu_job_gives_each_process_its_share_of_the_nodes_cpus_as_threads(tmp_path, cpus_on_node, threads):
+    """Without Slurm: the batch script run by bash as sbatch would, with an `accelerate` that prints its arguments.
+    2 GPUs on the node: 2 processes, each with OMP_NUM_THREADS = CPUs // 2, at least 1: never more threads than CPUs."""
+    stub = tmp_path / "bin" / "accelerate"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "OMP_NUM_THREADS=$OMP_NUM_THREADS $*"\n')
+    stub.chmod(0o755)
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS" and not key.startswith("SLURM")}
+    env.update(PATH=f"{stub.parent}{os.pathsep}{env['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NAME="job",
+               SLURMD_NODENAME="node0", SLURM_GPUS_ON_NODE="2", SLURM_CPUS_ON_NODE=str(cpus_on_node))
+    proc = subprocess.run(["bash", SLURM_DIR / "submit_multigpu.sbatch"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (launched,) = [line for line in proc.stdout.splitlines() if line.startswith("OMP_NUM_THREADS=")]
+    assert launched.startswith(f"OMP_NUM_THREADS={threads} launch ") and " --num_processes 2 " in launched, launched
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     cluster = start_cluster(tmp_path_factory.mktemp("slurm"))

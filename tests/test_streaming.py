@@ -73,6 +73,29 @@ def epoch_lines(output: str) -> list:
     return [int(n) for n in re.findall(r"INFO \[RANK 0\] epoch (\d+): ", output)]
 
 
+def test_a_streamed_images_augmentation_depends_on_seed_epoch_and_its_bytes_only():
+    """In-process, as the map-style twin (tests/test_image_classifier.py): the same image is cropped and flipped
+    the same way in the same epoch, whatever was drawn before, and anew in the next epoch."""
+    import torch
+
+    from utils.image_data import train_transform
+    from utils.streaming import StreamedImages
+
+    class Stream:  # what StreamedImages needs of a datasets stream here
+        def set_epoch(self, epoch):
+            pass
+
+    data = png_bytes(np.random.default_rng(3), label=0)
+    images = StreamedImages(Stream(), train_transform(16), "image", "label", seed=7)
+    first = images.transformed(data)
+    torch.rand(10)  # the global generator's state must not matter
+    assert torch.equal(images.transformed(data), first)
+    images.set_epoch(1)
+    assert not torch.equal(images.transformed(data), first)
+    assert not torch.equal(StreamedImages(Stream(), train_transform(16), "image", "label", seed=8).transformed(data),
+                           first)
+
+
 @pytest.mark.parametrize("num_processes, shard_sizes, per_rank, steps_per_epoch, max_steps", [
     # 3 shards on 2 processes: every 2nd example of the stream each, 10 and 9: 5 and 4 batches, so 4 steps an epoch
     (2, [7, 3, 9], [10, 9], 4, 10),

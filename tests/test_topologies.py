@@ -10,7 +10,9 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, results, run, wait_for_path
+from helpers import REPO, TRAIN_MNIST, load_script, results, run, wait_for_path
+
+from utils.errors import UserError
 
 CONFIG_DIR = REPO / "accelerate_configs"
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -255,3 +257,18 @@ def test_sweep_rejects_a_malformed_grid_with_one_line(tmp_path):
         "error: --grid 'learning_rate': expected FLAG=VALUE[,VALUE...], e.g. --grid learning_rate=1e-3,3e-3"
     )
     assert not any(tmp_path.iterdir())
+
+
+def test_sweep_reads_each_grid_flag_once_and_names_a_failed_runs_last_error_line(tmp_path):
+    """In-process: a flag written with its dashes is the same flag; a flag given twice is one line (the second would
+    silently replace the first's values); a failed run's status is its own `error:` line, the last one it printed."""
+    sweep = load_script(REPO / "scripts" / "sweep.py")
+    assert sweep.parse_grid(["--learning_rate=1e-3, 3e-3", "batch_size=32"]) == {
+        "learning_rate": ["1e-3", "3e-3"], "batch_size": ["32"]}
+    with pytest.raises(UserError, match="--grid learning_rate given twice"):
+        sweep.parse_grid(["learning_rate=1e-3", "--learning_rate=3e-3"])
+    log = tmp_path / "launch.log"
+    log.write_text("error: a warning-like line from a library\nTraceback ...\nerror: the loss became nan at step 3\n")
+    assert sweep.failure_reason(log, 1) == "failed: the loss became nan at step 3"
+    log.write_text("Killed\n")
+    assert sweep.failure_reason(log, 137) == f"failed (exit 137): see {log}"

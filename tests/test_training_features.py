@@ -117,6 +117,18 @@ def test_resume_from_best_without_eval_only_is_one_line(capsys):
     assert "evaluate them with --eval_only" in line
 
 
+def test_early_stopping_alone_watches_the_eval_loss_as_the_trainer():
+    from utils.flags import build_mnist_parser, check_flag_combinations
+
+    parser = build_mnist_parser("test")
+    for flags, metric in ((["--early_stopping_patience", "2"], "eval_loss"),
+                          (["--early_stopping_patience", "2", "--metric_for_best", "eval_accuracy"], "eval_accuracy"),
+                          ([], None)):
+        args = parser.parse_args(flags)
+        check_flag_combinations(parser, args)
+        assert args.metric_for_best == metric, flags
+
+
 def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
     import importlib.util
 
@@ -211,6 +223,26 @@ def test_auto_find_batch_size_says_so_when_not_even_one_sample_fits():
     with pytest.raises(UserError, match="even a batch of 1 runs out of memory"):
         fit_batch_size(accelerator, model, optimizer, dataset, args)
     assert args.batch_size == 8  # the helper returns its choice; it never rewrites the flags
+
+
+def test_auto_find_batch_size_takes_the_smallest_size_any_process_fits_and_undoes_its_probe():
+    """In-process, one process standing for two: the other fits only 8 (its gathered size). All take 8, with the
+    accumulation that keeps 32 x 2 per process; the probe's step leaves neither weights nor optimizer state behind."""
+    from accelerate import Accelerator
+
+    from utils.batch_size import fit_batch_size
+    from utils.flags import build_mnist_parser
+
+    args = build_mnist_parser("test").parse_args(["--batch_size", "32", "--gradient_accumulation_steps", "2", "--cpu"])
+    accelerator = Accelerator(cpu=True)
+    accelerator.gather = lambda fits: torch.cat([fits, torch.tensor([8])])  # this process's size, the other's
+    model = OutOfMemoryAboveBatchSize(num_classes=10)  # fits 16
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(model.parameters())
+    dataset = [(torch.rand(3, 8, 8), i % 10) for i in range(40)]
+    assert fit_batch_size(accelerator, model, optimizer, dataset, args) == (8, 32 * 2 // 8)
+    assert not optimizer.state  # no Adam moments or step count from the probe
+    assert all(torch.equal(tensor, weights[name]) for name, tensor in model.state_dict().items())
 
 
 def test_grad_norms_count_finite_norms_and_clipped_steps():

@@ -135,6 +135,30 @@ def test_fingerprint_sees_every_bit():
         weight[0] = torch.nextafter(weight[0], torch.tensor(1.0))  # one ulp
     assert fingerprint(model.parameters()) != before
     assert 0 <= before < 2**60
+    # float64 buffers too (BatchNorm's in a double model, the running loss sums): one ulp of a double
+    double = torch.ones(3, dtype=torch.float64)
+    nudged = double.clone()
+    nudged[1] = torch.nextafter(nudged[1], torch.tensor(2.0, dtype=torch.float64))
+    assert fingerprint([nudged]) != fingerprint([double])
+
+
+def test_throughput_counts_only_the_batches_after_the_warm_up_and_no_paused_time(monkeypatch):
+    """A clock that reads 0, 1, 2, ... s: 5 batches of 10 samples, 1 s each, the first 2 warm-up; a pause (a
+    checkpoint) from 6 s to 7 s; one more batch. Training time: 7 s (all but the paused second); steady: the 4 batches
+    after the warm-up, 40 samples in 5 s (the second before the pause included)."""
+    from utils.results import ThroughputMeter
+
+    clock = iter(range(100))
+    monkeypatch.setattr("utils.results.time.perf_counter", lambda: next(clock))
+    meter = ThroughputMeter(torch.device("cpu"), warmup_batches=2)
+    meter.start()  # 0
+    for _ in range(5):  # 1 ... 5
+        meter.batch_done(10)
+    with meter.paused():  # paused at 6, started again at 7
+        pass
+    meter.batch_done(10)  # 8: 1 s after the restart
+    assert (meter.train_time_s, meter.samples) == (7, 60)  # 5 s of batches, 1 s before the pause, 1 s after
+    assert (meter.steady_time_s, meter.steady_samples) == (5, 40)
 
 
 def test_convnet_shapes():

@@ -33,7 +33,14 @@ from safetensors.torch import load_file
 from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError
 from utils.flags import HIGHER_IS_BETTER
-from utils.results import EVAL_RESULTS, RUN_RECORD, create_output_dir, read_run_record, write_json_atomically
+from utils.results import (
+    EVAL_RESULTS,
+    RESUMABLE_KEYS,
+    RUN_RECORD,
+    create_output_dir,
+    read_run_record,
+    write_json_atomically,
+)
 
 TRAINING_STATE = "training_state.json"
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
@@ -573,8 +580,10 @@ def check_output_dir(run: dict, checkpoint, args) -> None:
         logging.getLogger(__name__).warning(
             f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is of this run")
         return
-    differences = [f"{key} {recorded.get(key)!r} -> {value!r}" for key, value in run.items()
-                   if recorded.get(key) != value]
+    # also the keys only the checkpoint's run has (a resume that drops --model_ema), bar those a resume may change
+    keys = [*run, *(key for key in recorded if key not in run and key not in RESUMABLE_KEYS)]
+    differences = [f"{key} {recorded.get(key)!r} -> {run.get(key)!r}" for key in keys
+                   if recorded.get(key) != run.get(key)]
     if differences:
         raise UserError(f"{checkpoint} was saved by a different run ({'; '.join(differences)}); resume with its "
                         f"values, or start a new run in another --output_dir")

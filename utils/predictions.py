@@ -20,7 +20,7 @@ from utils.ema import EMA_WEIGHTS
 from utils.errors import UserError, first_line
 from utils.image_data import TransformedImages, eval_transform, load_image_datasets, load_unlabelled_images
 from utils.models import ConvNet, build_model
-from utils.results import RUN_RECORD, read_run_record
+from utils.results import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 WEIGHTS, RESULTS = "model.safetensors", "results.json"
 WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average
@@ -29,10 +29,6 @@ MNIST_CLASS_NAMES = [str(digit) for digit in range(10)]
 # What the image classifier's model and inputs are rebuilt from: run.json keys, then results.json keys
 IMAGE_RUN_KEYS = ("model", "pretrained", "image_size", "augmentation", "val_split")
 IMAGE_RESULT_KEYS = ("class_names", "stem")
-# run.json keys a resume may change (utils/checkpoints.py start_output_dir; epochs, max_steps: train_image_classifier.py
-# only): best/ keeps those of its time
-RESUMABLE_KEYS = {"epochs", "max_steps", "num_processes", "batch_size_per_process", "gradient_accumulation_steps",
-                  "global_batch_size"}
 
 
 @dataclass
@@ -91,6 +87,7 @@ def read_trained_run(model_dir, weights: str = WEIGHTS) -> TrainedRun:
 
 
 def _defining(run: dict) -> dict:
+    """What a resume cannot change: best/ keeps the resumable keys of its time."""
     return {key: value for key, value in run.items() if key not in RESUMABLE_KEYS}
 
 

@@ -17,6 +17,10 @@ from utils.errors import UserError
 
 RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (utils/checkpoints.py)
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
+# run.json keys a resume may change (utils/checkpoints.py start_output_dir records them beside the run's own; epochs,
+# max_steps: train_image_classifier.py only)
+RESUMABLE_KEYS = {"epochs", "max_steps", "num_processes", "batch_size_per_process", "gradient_accumulation_steps",
+                  "global_batch_size"}
 
 
 class ThroughputMeter:
