@@ -68,9 +68,8 @@ MNIST_SCRIPTS = {  # the scripts users copy, timed as they are
     "accelerate": REPO / "scripts" / "train_mnist.py",
 }
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
-# --quick: a smoke test, each MNIST script once on 1 and on 2 processes (plain PyTorch on 1), in fp32 (on a CPU: 5 runs,
-# where the whole grid is 20; each costs a process start, which dominates); runs small enough for 2 CPU cores, large
-# enough for steady state after the warm-up. The other precisions and data paths are a flag away.
+# --quick: a smoke test, each MNIST script once on 1 and 2 processes in fp32 (on a CPU 5 runs of the grid's 20; process
+# starts dominate), small enough for 2 CPU cores, long enough for steady state; other precisions are a flag away.
 QUICK = dict(epochs=1, batch_size=32, max_train_samples=1024, max_eval_samples=512, repeats=1,
              image_size=32, synthetic_samples=512, precisions=["fp32"], data_paths=["dataloader"])
 FULL = dict(epochs=3, batch_size=64, max_train_samples=None, max_eval_samples=None, repeats=3,

@@ -252,9 +252,14 @@ def test_the_file_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     assert path.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["predictions.csv"]
 
 
-def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(image_run, tmp_path):
+def require_onnx_export():
+    """The export's packages (requirements-export.txt): skipped where absent, a failure in CI."""
     if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime")):
         skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
+
+
+def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(image_run, tmp_path):
+    require_onnx_export()
     import onnx
     import onnxruntime
     from safetensors.torch import load_file
@@ -297,8 +302,7 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
 def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_path):
     """An MNIST run exports with MNIST's normalisation inside (not the images' mean and std): onnxruntime's logits on
     the run's digits are the ConvNet's."""
-    if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxscript", "onnxruntime")):
-        skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
+    require_onnx_export()
     import onnxruntime
     from safetensors.torch import load_file
 
