@@ -49,14 +49,7 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import create_output_dir  # noqa: E402
 from utils.launch.flags import ArgumentParser, positive_int  # noqa: E402
 from utils.report.benchmarking import (  # noqa: E402
-    METHODS,
-    PRECISIONS,
-    Combination,
-    combination_of,
-    machine_facts,
-    portable_command,
-    portable_path,
-    write_report,
+    METHODS, PRECISIONS, Combination, combination_of, machine_facts, portable_command, portable_path, write_report,
 )
 
 MODELS = ("mnist", "resnet18", "resnet50")
