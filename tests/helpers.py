@@ -82,7 +82,9 @@ def wait_for_path(path, proc: subprocess.Popen, timeout: float = 120) -> None:
     """Until `path` exists (a checkpoint, say); fails if the job ends first."""
     deadline = time.monotonic() + timeout
     while not Path(path).exists():
-        assert proc.poll() is None, f"the job ended before {path} appeared"
+        if proc.poll() is not None:  # its output says why (stdout=PIPE, as launch_in_background starts it)
+            output = proc.communicate()[0] if proc.stdout is not None else ""
+            raise AssertionError(f"the job ended before {path} appeared:\n{(output or '')[-3000:]}")
         assert time.monotonic() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.02)
 
