@@ -57,7 +57,10 @@ from utils.launch.flags import (  # noqa: E402
     check_flag_combinations,
     check_streaming_flags,
     default_num_workers,
+    fraction,
+    label_smoothing,
     non_negative_float,
+    non_negative_int,
     positive_int,
     probability,
     tracker_config,
@@ -122,7 +125,7 @@ def parse_args(argv=None):
                            "--data_dir with a val split; needs --max_steps. docs/image_classification.md, Streaming")
     data.add_argument("--image_column", default=None, help="default: the dataset's Image column")
     data.add_argument("--label_column", default=None, help="default: the dataset's ClassLabel column")
-    data.add_argument("--val_split", type=float, default=0.2, help="fraction held out when there is no val split")
+    data.add_argument("--val_split", type=fraction, default=0.2, help="fraction held out when there is no val split")
     data.add_argument("--image_size", type=positive_int, default=224, help="side of the square crops fed to the model")
     data.add_argument(
         "--augmentation", choices=["auto", "imagenet", "small", "none"], default="auto",
@@ -134,7 +137,7 @@ def parse_args(argv=None):
                        help="random horizontal flips; default: on in the imagenet recipe (photos), off otherwise")
     flips.add_argument("--no_hflip", dest="hflip", action="store_false",
                        help="no flips, where orientation matters: digits, text, icons")
-    data.add_argument("--num_workers", type=int, default=None,
+    data.add_argument("--num_workers", type=non_negative_int, default=None,
                       help="DataLoader processes per process (decode, augment); default: the CPUs this process may use "
                            "divided by the training processes on this machine, at most 4")
 
@@ -152,7 +155,7 @@ def parse_args(argv=None):
     )
     model.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     model.add_argument("--weight_decay", type=non_negative_float, default=None, help="default depends on --optimizer")
-    model.add_argument("--label_smoothing", type=float, default=0.0, help="e.g. 0.1 as in torchvision's recipes")
+    model.add_argument("--label_smoothing", type=label_smoothing, default=0.0, help="0.1 in torchvision's recipes")
     model.add_argument("--mixup_alpha", type=non_negative_float, default=0.0,
                        help="Mixup: a training image blended with another, lam ~ Beta(alpha, alpha) of it, and their "
                             "classes alike; 0: off (timm's recipes: 0.8)")
@@ -179,14 +182,8 @@ def parse_args(argv=None):
     check_flag_combinations(parser, args)
     if args.streaming:
         check_streaming_flags(parser, args)
-    if not 0 < args.val_split < 1:
-        parser.error(f"--val_split must be between 0 and 1, got {args.val_split}")
     if args.num_workers is None:  # e.g. 2 on a 2-core laptop, 1 each for 2 processes there, 4 on a GPU node
         args.num_workers = default_num_workers()
-    if args.num_workers < 0:
-        parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
-    if not 0 <= args.label_smoothing < 1:
-        parser.error(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
     if args.mixup_alpha or args.cutmix_alpha:
         args.mix_prob = 1.0 if args.mix_prob is None else args.mix_prob
     elif args.mix_prob is not None:
@@ -270,10 +267,14 @@ def build_stream_datasets(args, accelerator, progress):
 
 
 def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
-    """The training and evaluation DataLoaders. drop_last: a last batch of one image would break BatchNorm in
-    training. loader_options: --batch_size (per process), --num_workers, pinned memory for a GPU. A stream's training
-    loader is this process's own (StreamLoader)."""
-    options = loader_options(args, accelerator)
+    """The training and evaluation DataLoaders: --batch_size (per process); --num_workers processes that stay up between
+    epochs and ignore --save_on_signal's signals (the training processes handle them); uint8 batches stacked
+    channels-last, as the workers resize them (collate_images); pinned memory for faster copies to a GPU. drop_last: a
+    last batch of one image would break BatchNorm in training. A stream's training loader is this process's own."""
+    pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
+    options = {"batch_size": args.batch_size, "num_workers": args.num_workers, "collate_fn": collate_images,
+               "persistent_workers": args.num_workers > 0, "pin_memory": pin_memory,
+               "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
     if args.streaming:
         train_dataloader = StreamLoader(DataLoader(train_dataset, drop_last=True, **options))
     else:
@@ -313,16 +314,6 @@ def build_image_model(args, num_classes: int, device):
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
-
-
-def loader_options(args, accelerator) -> dict:
-    """DataLoader options: --batch_size (per process); --num_workers processes that stay up between epochs and ignore
-    --save_on_signal's signals (the training processes handle them); uint8 batches stacked channels-last, as the
-    workers resize them (collate_images); pinned memory for faster copies to a GPU."""
-    pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
-    return {"batch_size": args.batch_size, "num_workers": args.num_workers, "persistent_workers": args.num_workers > 0,
-            "collate_fn": collate_images, "pin_memory": pin_memory,
-            "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
 
 
 def describe_model(args, accelerator, model, class_names, train_dataset) -> dict:
@@ -369,12 +360,6 @@ def main(args):
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
     make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
-    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
-    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
-    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
-                       args.overwrite_output_dir, args.eval_only)
-    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
@@ -393,6 +378,14 @@ def main(args):
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
+
+    # shared: resume or not
+    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
+    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
+    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
+    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
+                       args.overwrite_output_dir, args.eval_only)
+    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
     if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):

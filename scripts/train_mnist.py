@@ -154,12 +154,6 @@ def main(args):
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
     make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
-    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
-    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
-    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
-                       args.overwrite_output_dir, args.eval_only)
-    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
@@ -176,6 +170,14 @@ def main(args):
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
     logger.info(accelerator.state)  # [accelerate]
     set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
+
+    # shared: resume or not
+    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
+    checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
+    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
+    folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
+                       args.overwrite_output_dir, args.eval_only)
+    check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
     resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
     # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
     if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):

@@ -61,6 +61,11 @@ STEP_FLAGS = [  # --max_steps, --eval_steps, --logging_steps in both training sc
     (CLASSIFIER, ["--cutmix_alpha", "1", "--mix_prob", "nan"], ["--mix_prob", "probability between 0 and 1"]),
     (CLASSIFIER, ["--mix_prob", "0.5"], ["--mix_prob says how often --mixup_alpha and --cutmix_alpha mix"]),
     (CLASSIFIER, ["--mixup_alpha", "0", "--mix_prob", "0.5"], ["--mix_prob", "set one of them above 0"]),
+    (CLASSIFIER, ["--val_split", "1"], ["--val_split", "a fraction strictly between 0 and 1, got 1"]),
+    (CLASSIFIER, ["--val_split", "nan"], ["--val_split", "a fraction strictly between 0 and 1"]),
+    (CLASSIFIER, ["--label_smoothing", "1"], ["--label_smoothing", "expected a number in [0, 1), got 1"]),
+    (CLASSIFIER, ["--label_smoothing", "-0.1"], ["--label_smoothing", "expected a number in [0, 1)"]),
+    (CLASSIFIER, ["--num_workers", "-1"], ["--num_workers", "expected a whole number >= 0, got -1"]),
     (CLASSIFIER, ["--streaming", "--max_steps", "4", "--mixup_alpha", "0.2"],
      ["--mixup_alpha and --cutmix_alpha do not work with --streaming", "drop them"]),
 ])

@@ -77,6 +77,22 @@ def probability(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """Strictly between 0 and 1: --val_split (both parts of the split keep images)."""
+    value = _parse(text, float, "a fraction strictly between 0 and 1")
+    if not 0 < value < 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a fraction strictly between 0 and 1, got {text}")
+    return value
+
+
+def label_smoothing(text: str) -> float:
+    """In [0, 1): --label_smoothing 1 would spread every target evenly over the classes, leaving nothing to learn."""
+    value = _parse(text, float, "a number in [0, 1)")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
+    return value
+
+
 def seed(text: str) -> int:
     """Accelerate's set_seed also seeds numpy, whose generator takes seeds in [0, 2**32) (torch's takes larger)."""
     value = _parse(text, int, "a whole number")

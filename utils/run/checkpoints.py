@@ -254,8 +254,8 @@ def find_latest_checkpoint(output_dir):
 
 
 def main_process_warning(message: str) -> None:
-    """One line, from the main process only, before the Accelerator exists (the launcher's RANK says which);
-    logging's own stderr handler, as the Accelerator's logger does not exist yet either."""
+    """One line, from the main process only (the launcher's RANK says which); logging's own stderr handler, not
+    Accelerate's logger, so that it works before an Accelerator exists too (as these checkpoint helpers may run)."""
     if os.environ.get("RANK", "0") == "0":
         logging.getLogger(__name__).warning(message)
 

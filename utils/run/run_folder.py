@@ -18,7 +18,6 @@ import dataclasses
 import errno
 import fcntl
 import json
-import logging
 import os
 import shutil
 import socket
@@ -30,7 +29,7 @@ from accelerate.logging import get_logger
 from utils.errors import UserError
 from utils.files import create_output_dir, write_json_atomically
 from utils.run.best import BEST
-from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints
+from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
 from utils.run.ema import EMA_WEIGHTS
 from utils.run.progress import TRAINING_STATE, TrainingProgress
 from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
@@ -137,9 +136,9 @@ def check_output_dir(folder: RunFolder, checkpoint, resume_from_checkpoint) -> N
     if checkpoint is None:
         return
     recorded = read_run_record(checkpoint)
-    if recorded is None:  # logging's own stderr handler: the Accelerator, and so its logger, does not exist yet
-        logging.getLogger(__name__).warning(
-            f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is of this run")
+    if recorded is None:
+        main_process_warning(f"{checkpoint} has no {RUN_RECORD} (saved by an older version): cannot check that it is "
+                             f"of this run")
         return
     changed = differences(recorded, run)
     if changed:
