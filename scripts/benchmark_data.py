@@ -45,7 +45,7 @@ from utils.data.image_loading import load_image_datasets  # noqa: E402
 from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import create_output_dir, write_json_atomically  # noqa: E402
-from utils.launch.flags import ArgumentParser, positive_float, positive_int, seed  # noqa: E402
+from utils.launch.flags import ArgumentParser, non_negative_int, positive_float, positive_int, seed  # noqa: E402
 from utils.report.benchmarking import machine_facts, portable_command, portable_path  # noqa: E402
 
 PIPELINES = ("before", "reference", "decode_only", "ours")
@@ -63,15 +63,14 @@ def parse_args(argv=None):
     parser.add_argument("--augmentation", choices=["auto", "imagenet", "small", "none"], default="auto",
                         help="training recipe, as in scripts/train_image_classifier.py")
     parser.add_argument("--batch_size", type=positive_int, default=32)
-    parser.add_argument("--num_workers", type=int, nargs="+", default=[0, 1, 2], help="DataLoader workers to time")
+    parser.add_argument("--num_workers", type=non_negative_int, nargs="+", default=[0, 1, 2],
+                        help="DataLoader workers to time")
     parser.add_argument("--seconds", type=positive_float, default=3.0, help="time measured per pipeline and round")
     parser.add_argument("--rounds", type=positive_int, default=3, help="turns of every pipeline; the median is kept")
     parser.add_argument("--seed", type=seed, default=42, help="the training script's default")
     parser.add_argument("--target_images_per_second", type=positive_float, default=3000,
                         help="what one GPU trains on: the cores per GPU the train pipeline needs for it is printed")
     args = parser.parse_args(argv)
-    if min(args.num_workers) < 0:
-        parser.error(f"--num_workers must be 0 or more, got {min(args.num_workers)}")
     args.num_workers = sorted(set(args.num_workers))
     args.augmentation = resolve_augmentation(args.augmentation, args.image_size)
     args.hflip = default_hflip(args.augmentation)

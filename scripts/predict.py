@@ -30,7 +30,7 @@ from utils.data.image_dataset import collate_images  # noqa: E402
 from utils.data.mnist import normalise_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import check_writable_file, write_text_atomically  # noqa: E402
-from utils.launch.flags import ArgumentParser, default_num_workers, positive_int  # noqa: E402
+from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int  # noqa: E402
 from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
 from utils.report.predictions import (  # noqa: E402
     WEIGHT_FILES,
@@ -62,7 +62,7 @@ def parse_args(argv=None):
                       help="eval: what the run evaluated on, chosen the same way (a val/test folder or split, else the "
                            "run's --val_split of the folder); all: train, then eval")
     data.add_argument("--max_samples", type=positive_int, default=None, help="only the first N inputs")
-    data.add_argument("--num_workers", type=int, default=None,
+    data.add_argument("--num_workers", type=non_negative_int, default=None,
                       help="DataLoader processes per process; default: none for MNIST, else as in training")
     out = parser.add_argument_group("output")
     out.add_argument("--output_file", type=Path, default=None,
@@ -88,8 +88,6 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.output_file is None and args.export is None:
         parser.error("--output_file is required (or --export onnx, to export the model instead)")
-    if args.num_workers is not None and args.num_workers < 0:
-        parser.error(f"--num_workers must be 0 or more, got {args.num_workers}")
     return args
 
 

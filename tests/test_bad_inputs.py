@@ -65,7 +65,9 @@ STEP_FLAGS = [  # --max_steps, --eval_steps, --logging_steps in both training sc
     (CLASSIFIER, ["--val_split", "nan"], ["--val_split", "a fraction strictly between 0 and 1"]),
     (CLASSIFIER, ["--label_smoothing", "1"], ["--label_smoothing", "expected a number in [0, 1), got 1"]),
     (CLASSIFIER, ["--label_smoothing", "-0.1"], ["--label_smoothing", "expected a number in [0, 1)"]),
-    (CLASSIFIER, ["--num_workers", "-1"], ["--num_workers", "expected a whole number >= 0, got -1"]),
+    # the same flag, the same check, in every script that has it
+    *[(script, ["--num_workers", "-1"], ["--num_workers", "expected a whole number >= 0, got -1"])
+      for script in (CLASSIFIER, REPO / "scripts" / "predict.py", REPO / "scripts" / "benchmark_data.py")],
     (CLASSIFIER, ["--streaming", "--max_steps", "4", "--mixup_alpha", "0.2"],
      ["--mixup_alpha and --cutmix_alpha do not work with --streaming", "drop them"]),
 ])
