@@ -41,7 +41,8 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", default="outputs/sweep", help="one folder per run inside it, and summary.md")
     parser.add_argument("--config_file", default=None, help="accelerate launch config; default: `accelerate config`'s")
     parser.add_argument("--main_process_port", type=int, default=0,
-                        help="run i uses this port + i; 0: accelerate picks a free port for every run")
+                        help="run i uses this port + i; pick one below the ephemeral range (e.g. 29500): any "
+                             "connection may take an ephemeral port; 0: accelerate picks a free port for every run")
     parser.add_argument("command", nargs="+", metavar="SCRIPT [ARGS ...]", help="training script and its fixed flags")
     return parser.parse_args(argv)
 

@@ -127,7 +127,9 @@ def test_two_cpu_processes_come_from_the_guides_answers_not_from_multi_cpu(tmp_p
     CPU (--cpu: Accelerator(cpu=True)), on a machine without GPUs too; the multi-CPU answer starts one."""
     probe = tmp_path / "probe.py"
     probe.write_text("from accelerate import Accelerator\naccelerator = Accelerator(cpu=True)\n"
-                     "print('processes:', accelerator.num_processes)\naccelerator.end_training()\n")
+                     # one write per process: the launcher's unbuffered output lets two prints' pieces interleave
+                     "import sys\nsys.stdout.write(f'processes: {accelerator.num_processes}\\n')\n"
+                     "accelerator.end_training()\n")
     counts = {}
     for name, answers in (("guide", TABLE["cpu_2proc.yaml"]), ("multi_cpu", MULTI_CPU_ANSWERS)):
         written = tmp_path / f"{name}.yaml"

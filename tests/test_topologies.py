@@ -1,12 +1,15 @@
 """Topologies beyond one machine's default, run for real on CPU processes: two machines
 (two network namespaces joined by a veth pair), a busy port, a GPU subset, a sweep."""
 
+import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +39,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_consecutive_ports(count: int) -> int:
+    """The first of `count` consecutive free ports, below the kernel's ephemeral range: a port in that range next to a
+    free one may be taken by then as the source port of any connection (the previous run's own, say), one below it
+    only by a listener. (A sweep's run i listens on --main_process_port + i.)"""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in random.Random().sample(range(10000, ephemeral_low - count), 500):
+        try:
+            with contextlib.ExitStack() as sockets:
+                for port in range(base, base + count):
+                    sockets.enter_context(socket.socket()).bind(("", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral_low}")
 
 
 def finish(procs, timeout=300):
@@ -179,7 +198,7 @@ def test_gpu_subset_config_leaves_two_gpus_visible(tmp_path):
 
 def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synthetic_mnist, tmp_path):
     root = tmp_path / "sweep"
-    base_port = free_port()
+    base_port = free_consecutive_ports(2)
     cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.003,0.01",
            "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--output_dir", root, "--main_process_port", base_port,
            "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, *TRAIN_ARGS]
