@@ -1,9 +1,12 @@
 """Run the scripts the way users do (`accelerate launch`) and read what they wrote."""
 
+import contextlib
 import gzip
 import json
 import os
+import random
 import re
+import socket
 import struct
 import subprocess
 import sys
@@ -87,6 +90,28 @@ def wait_for_path(path, proc: subprocess.Popen, timeout: float = 120) -> None:
             raise AssertionError(f"the job ended before {path} appeared:\n{(output or '')[-3000:]}")
         assert time.monotonic() < deadline, f"no {path} after {timeout} s"
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_consecutive_ports(count: int) -> int:
+    """The first of `count` consecutive free ports, below the kernel's ephemeral range: a port in that range next to a
+    free one may be taken by then as the source port of any connection (the previous run's own, say), one below it
+    only by a listener. (A sweep's run i listens on --main_process_port + i.)"""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for base in random.Random().sample(range(10000, ephemeral_low - count), 500):
+        try:
+            with contextlib.ExitStack() as sockets:
+                for port in range(base, base + count):
+                    sockets.enter_context(socket.socket()).bind(("", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral_low}")
 
 
 def training_processes(output_dir) -> list:

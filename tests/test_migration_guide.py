@@ -22,11 +22,10 @@ import json
 import math
 import re
 import shlex
-import socket
 import sys
 
 import pytest
-from helpers import REPO, launcher_args, run
+from helpers import REPO, free_port, launcher_args, run
 from doc_commands import bash_commands, check_command
 
 GUIDE_PATH = REPO / "docs" / "migration_guide.md"
@@ -94,12 +93,6 @@ def test_every_python_block_is_marked_and_runnable_ones_assert():
     assert len(RUNNABLE) >= 10 and len(COMPILE_ONLY) >= 6
     assert sum("torchrun" in p.values[0] for p in RUNNABLE) >= 3
     assert sum("accelerate launch" in p.values[0] for p in RUNNABLE) >= 5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Appended to each side of a pair: every process saves its values of the compared variables.

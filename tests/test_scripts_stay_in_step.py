@@ -34,8 +34,8 @@ def shared_blocks(path) -> dict:
 def test_the_shared_blocks_are_identical_in_both_scripts():
     mnist, classifier = shared_blocks(TRAIN_MNIST), shared_blocks(CLASSIFIER)
     assert set(mnist) == set(classifier) == {
-        "start-up", "after the Accelerator", "resume or not", "the global batch", "resume, then the first write", "the optimizer step",
-        "after each batch", "the end",
+        "start-up", "after the Accelerator", "resume or not", "the global batch", "resume, then the first write",
+        "the optimizer step", "after each batch", "the end",
     }
     for name in mnist:
         assert len(mnist[name]) >= 3, f"block {name!r} is suspiciously short: the marker rules changed?"

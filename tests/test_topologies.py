@@ -1,19 +1,16 @@
 """Topologies beyond one machine's default, run for real on CPU processes: two machines
 (two network namespaces joined by a veth pair), a busy port, a GPU subset, a sweep."""
 
-import contextlib
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, load_script, results, run, wait_for_path
+from helpers import REPO, TRAIN_MNIST, free_consecutive_ports, load_script, results, run, wait_for_path
 
 from utils.errors import UserError
 
@@ -34,27 +31,6 @@ def busy_port():
         listener.listen()
         yield listener.getsockname()[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_consecutive_ports(count: int) -> int:
-    """The first of `count` consecutive free ports, below the kernel's ephemeral range: a port in that range next to a
-    free one may be taken by then as the source port of any connection (the previous run's own, say), one below it
-    only by a listener. (A sweep's run i listens on --main_process_port + i.)"""
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for base in random.Random().sample(range(10000, ephemeral_low - count), 500):
-        try:
-            with contextlib.ExitStack() as sockets:
-                for port in range(base, base + count):
-                    sockets.enter_context(socket.socket()).bind(("", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports below {ephemeral_low}")
 
 
 def finish(procs, timeout=300):

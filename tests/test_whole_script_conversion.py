@@ -15,7 +15,6 @@ before's weights and reports the exact metric over every test image once; each r
 import importlib.util
 import json
 import re
-import socket
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, launch, launcher_args, requires_mnist_10k, run
+from helpers import MNIST_10K, REPO, free_port, launch, launcher_args, requires_mnist_10k, run
 from safetensors.torch import load_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -49,12 +48,6 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 STEP = re.compile(r"^Epoch: \[(\d+)\]\[(\d+)/\d+\]\tLoss (\S+) ", flags=re.M)
 EVALUATION = re.compile(r"^ \* Acc@1 (\S+) Loss (\S+) \((\d+) images\)$", flags=re.M)
 LEARNING_RATE = re.compile(r"^Epoch: \[\d+\] lr (\S+)$", flags=re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_before(num_processes, out, *args):

@@ -53,10 +53,7 @@ def positive_int(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    value = _parse(text, float, "a positive number")
-    if not 0 < value < float("inf"):  # also refuses nan, which every comparison lets through
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
+    return _float_where(text, lambda value: 0 < value < float("inf"), "a positive number")
 
 
 def non_negative_int(text: str) -> int:
@@ -70,27 +67,26 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def probability(text: str) -> float:
-    value = _parse(text, float, "a probability between 0 and 1")
-    if not 0 <= value <= 1:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a probability between 0 and 1, got {text}")
+def _float_where(text: str, in_range, expected: str) -> float:
+    """A number for which `in_range` holds (nan never does: every comparison with it is false)."""
+    value = _parse(text, float, expected)
+    if not in_range(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
     return value
+
+
+def probability(text: str) -> float:
+    return _float_where(text, lambda value: 0 <= value <= 1, "a probability between 0 and 1")
 
 
 def fraction(text: str) -> float:
     """Strictly between 0 and 1: --val_split (both parts of the split keep images)."""
-    value = _parse(text, float, "a fraction strictly between 0 and 1")
-    if not 0 < value < 1:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected a fraction strictly between 0 and 1, got {text}")
-    return value
+    return _float_where(text, lambda value: 0 < value < 1, "a fraction strictly between 0 and 1")
 
 
 def label_smoothing(text: str) -> float:
     """In [0, 1): --label_smoothing 1 would spread every target evenly over the classes, leaving nothing to learn."""
-    value = _parse(text, float, "a number in [0, 1)")
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
-    return value
+    return _float_where(text, lambda value: 0 <= value < 1, "a number in [0, 1)")
 
 
 def seed(text: str) -> int:
