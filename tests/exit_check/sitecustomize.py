@@ -53,3 +53,10 @@ def _starve_gloo_workers():
 
 if os.environ.get("STARVE_GLOO") == "1" and os.path.isdir("/proc/self/task"):
     _starve_gloo_workers()
+
+
+# PROCESS_LOG=FILE (suite-time work): one line per Python process started, to count what a test file launches
+# independently of how loaded the machine is (docs/testing.md, "Where the suite's time goes").
+if os.environ.get("PROCESS_LOG"):
+    with open(os.environ["PROCESS_LOG"], "a") as _log:
+        _log.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '').split(' ')[0]}\t{' '.join(sys.argv)[:300]}\n")
