@@ -20,12 +20,14 @@ values every process of a side agrees on), so the two sides cannot drift apart u
 
 import json
 import math
+import os
 import re
 import shlex
 import sys
+from pathlib import Path
 
 import pytest
-from helpers import REPO, free_port, launcher_args, run
+from helpers import EXIT_CHECK, REPO, free_consecutive_ports, free_port, launcher_args, run
 from doc_commands import bash_commands, check_command
 
 GUIDE_PATH = REPO / "docs" / "migration_guide.md"
@@ -115,29 +117,78 @@ def _plain(value):
 with open(f"compared_{_os.environ.get('RANK', '0')}.json", "w") as _file:
     _json.dump({_name: _plain(globals()[_name]) for _name in COMPARED}, _file)
 """
-OUTCOMES = {}  # code -> {rank: {variable: value}}: each snippet runs once, for its own test and for its pair's
+# The snippets of one launcher run in one launch of tests/snippet_batch.py, each in a process of its own forked from
+# the launched one (a launch per snippet cost 8-20 s of imports each); torchrun's batch runs the Horovod one too.
+BATCH = REPO / "tests" / "snippet_batch.py"
+BATCHED_WITH = {"runnable: horovod stand-in, torchrun 2": "runnable: torchrun 2"}
+PROCESSES = {"runnable": 1, "runnable: accelerate launch 2": 2, "runnable: torchrun 2": 2}
+OUTCOMES = {}  # code -> {rank: {variable: value}}, or the AssertionError saying why the snippet failed
+SNIPPET_TIMEOUT = 240
 
 
-def outcome_of(marker: str, code: str, workdir) -> dict:
-    """Run a snippet (once per session); for a pair's side, every process's values of the compared variables."""
-    if code in OUTCOMES:
+def run_batch(launcher: str, folder) -> None:
+    """Run every runnable snippet of this launcher in one launch; record each one's outcome in OUTCOMES."""
+    codes = [code for marker, code in (p.values for p in RUNNABLE) if BATCHED_WITH.get(marker, marker) == launcher]
+    first_port = free_consecutive_ports(len(codes))
+    entries = []
+    for index, code in enumerate(codes):
+        snippet_folder = folder / f"snippet_{index}"
+        snippet_folder.mkdir()
+        variables = COMPARED_IN.get(code, [])
+        snippet = snippet_folder / "snippet.py"
+        snippet.write_text(code + (SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""))
+        marker = next(p.values[0] for p in RUNNABLE if p.values[1] == code)
+        path = [RUNNER_ENV[marker]["PYTHONPATH"]] if marker in RUNNER_ENV else []
+        env = {
+            # its own port: for its group, and for mp.spawn and notebook_launcher, which otherwise take 29500
+            "MASTER_PORT": str(first_port + index), "TORCHELASTIC_USE_AGENT_STORE": "False",
+            # a gloo worker thread left alive at a snippet's exit fails it ("Ending a run cleanly")
+            "EXIT_CHECK_DIR": str(snippet_folder / "exit_check"),
+            "PYTHONPATH": os.pathsep.join([*path, str(EXIT_CHECK)]),
+        }
+        (snippet_folder / "exit_check").mkdir()
+        entries.append({"folder": str(snippet_folder), "snippet": str(snippet), "env": env, "path": path,
+                        "timeout": SNIPPET_TIMEOUT})
+    manifest = folder / "manifest.json"
+    manifest.write_text(json.dumps(entries))
+    run([*RUNNERS[launcher](BATCH), manifest], cwd=folder, timeout=SNIPPET_TIMEOUT * len(codes),
+        env={"OMP_NUM_THREADS": "1"})
+    for code, entry in zip(codes, entries):
+        OUTCOMES[code] = outcome_in(Path(entry["folder"]), PROCESSES[launcher])
+
+
+def outcome_in(folder, processes: int):
+    """A snippet's outcome from its folder: every process's compared values, or why it failed."""
+    for rank in range(processes):
+        status = (folder / f"exit_status_{rank}").read_text() if (folder / f"exit_status_{rank}").exists() else None
+        if status != "0":
+            output = [(folder / f"{name}_{rank}.txt").read_text() for name in ("stdout", "stderr")
+                      if (folder / f"{name}_{rank}.txt").exists()]
+            return AssertionError(f"process {rank} of {processes} exited {status}\n" + "\n".join(
+                text[-4000:] for text in output))
+    threads_left = [path.read_text() for path in (folder / "exit_check").iterdir()]
+    if threads_left:
+        return AssertionError(f"{''.join(threads_left)}release the DDP model before end_training "
+                              f"(docs/migration_guide.md, 'Ending a run cleanly')")
+    return {int(path.stem.split("_")[1]): json.loads(path.read_text()) for path in folder.glob("compared_*.json")}
+
+
+@pytest.fixture(scope="module")
+def snippet_outcome(tmp_path_factory):
+    """outcome(marker, code): run the snippet's launcher's batch the first time one of its snippets is asked for."""
+    def outcome(marker, code):
+        if code not in OUTCOMES:
+            launcher = BATCHED_WITH.get(marker, marker)
+            run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+        if isinstance(OUTCOMES[code], AssertionError):
+            raise OUTCOMES[code]
         return OUTCOMES[code]
-    variables = COMPARED_IN.get(code, [])
-    snippet = workdir / "snippet.py"
-    snippet.write_text(code + (SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""))
-    # run() also fails a snippet that leaves a gloo worker thread alive at exit ("Ending a run cleanly")
-    # MASTER_PORT: for mp.spawn and notebook_launcher, which otherwise take 29500 and collide with other jobs
-    proc = run(RUNNERS[marker](snippet), cwd=workdir, timeout=240,
-               env={"MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", **RUNNER_ENV.get(marker, {})}, check=False)
-    assert proc.returncode == 0, f"{marker} exited {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-    OUTCOMES[code] = {int(path.stem.split("_")[1]): json.loads(path.read_text())
-                      for path in workdir.glob("compared_*.json")}
-    return OUTCOMES[code]
+    return outcome
 
 
 @pytest.mark.parametrize("marker, code", RUNNABLE)
-def test_runnable_snippet(marker, code, tmp_path):
-    outcome_of(marker, code, tmp_path)
+def test_runnable_snippet(marker, code, snippet_outcome):
+    snippet_outcome(marker, code)
 
 
 def same(a, b, where: str) -> None:
@@ -178,13 +229,10 @@ def test_every_pair_has_two_sides_that_compare_the_same_things():
 
 
 @pytest.mark.parametrize("pair", sorted(PAIR_SIDES))
-def test_pair_sides_agree(pair, tmp_path):
+def test_pair_sides_agree(pair, snippet_outcome):
     """What the pair claims: the before and the after end with the same values of the compared variables."""
-    outcomes = {}
-    for side, (name, launcher, code, variables) in PAIR_SIDES[pair].items():
-        (tmp_path / side).mkdir()
-        outcomes[side] = outcome_of(launcher, code, tmp_path / side)
-    before, after = outcomes["before"], outcomes["after"]
+    before, after = (snippet_outcome(launcher, code) for _, launcher, code, _ in
+                     (PAIR_SIDES[pair]["before"], PAIR_SIDES[pair]["after"]))
     assert before and after
     for variable in PAIR_SIDES[pair]["before"][3]:
         if before.keys() == after.keys():

@@ -1,0 +1,74 @@
+"""Run the migration guide's snippets of one launcher, each in its own process, in one launch.
+
+usage: snippet_batch.py MANIFEST.json   (as the script of `python`, `accelerate launch` or torchrun)
+
+tests/test_migration_guide.py launches this once per launcher instead of once per snippet: each launched
+process imports torch and Accelerate once (5 s of CPU on a small machine, most of a short snippet's run), then
+forks one child per snippet, in the manifest's order. A child runs its snippet as `python snippet.py`
+would: as __main__, in the snippet's folder, with its argv, its environment (its own MASTER_PORT, so the
+children of every rank form a group of their own), its output in that folder, and it ends as a process does
+(atexit handlers, the exit check of tests/exit_check). The parent writes the child's exit status beside them:
+exit_status_RANK, a negative number for a signal, "timeout" when it ran past the manifest's limit.
+"""
+
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+# What the snippets import that costs seconds; imported here once, before any fork, never used (no threads yet).
+# Not torch._dynamo: it imports torch.distributed.nn, whose default arguments hold the process group when it is
+# imported after one exists; a snippet must show that early import itself ("Ending a run cleanly").
+PRELOADED = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch.utils.data",
+             "accelerate", "accelerate.utils", "safetensors.torch"]
+
+
+def run_snippet(entry: dict, rank: str) -> None:
+    """In the child: become `python snippet.py` in the snippet's folder, and run it."""
+    os.chdir(entry["folder"])
+    for descriptor, name in ((1, "stdout"), (2, "stderr")):
+        with open(f"{name}_{rank}.txt", "w") as file:
+            os.dup2(file.fileno(), descriptor)
+    os.environ.update(entry["env"])
+    sys.path[:0] = entry["path"]  # the Horovod stand-in, for this snippet only
+    sys.argv = [entry["snippet"]]
+    runpy.run_path(entry["snippet"], run_name="__main__")
+
+
+def wait_for(pid: int, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return str(os.waitstatus_to_exitcode(status))
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout"
+
+
+def main() -> int:
+    entries = json.loads(Path(sys.argv[1]).read_text())
+    rank = os.environ.get("RANK", "0")
+    for module in PRELOADED:
+        importlib.import_module(module)
+    assert "torch.distributed.nn" not in sys.modules, "preloaded: a snippet would not start as a fresh process does"
+    for entry in entries:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
+            run_snippet(entry, rank)
+            return 0
+        status = wait_for(pid, entry["timeout"])
+        Path(entry["folder"], f"exit_status_{rank}").write_text(status)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
