@@ -94,7 +94,8 @@ def stopped_and_resumed_flat_2proc(flat_folder, tmp_path_factory):
     args = [*FAST, "--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
             "--checkpointing_steps", "epoch"]
     job = launch_in_background([*args, "--save_on_signal"], num_processes=2, script=SCRIPT)
-    wait_for_path(out / "epoch_0", job)
+    # start-up, a whole epoch and its evaluation: more than the default 120 s (for a step) on a loaded machine
+    wait_for_path(out / "epoch_0", job, timeout=300)
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
     launch([*args, "--resume_from_checkpoint", "latest"], num_processes=2, script=SCRIPT)
