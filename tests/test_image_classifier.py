@@ -5,6 +5,7 @@ import json
 import math
 import shutil
 import signal
+import sys
 import urllib.error
 
 import pytest
@@ -83,11 +84,27 @@ def trained_split_1proc(split_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_flat_2proc(flat_folder, tmp_path_factory):
+def stopped_and_resumed_flat_2proc(flat_folder, tmp_path_factory):
+    """One 2-process run of 3 epochs (7 steps each) in two launches, as a preempted job runs: a SIGTERM after epoch 0's
+    checkpoint stops it (--save_on_signal), with its DataLoader worker alive (persistent); then it resumes from the
+    checkpoint the signal saved. A resume trains what the uninterrupted run would have, bit for bit
+    (test_gradient_accumulation_...): the finished run stands for a plain one in the tests that read it.
+    Returns (the output folder, the stopped launch's output and exit status)."""
     out = tmp_path_factory.mktemp("flat_2proc")
-    train(["--data_dir", flat_folder, "--output_dir", out, "--epochs", "3", "--checkpointing_steps", "epoch"],
-          num_processes=2)
-    return out
+    args = [*FAST, "--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
+            "--checkpointing_steps", "epoch"]
+    job = launch_in_background([*args, "--save_on_signal"], num_processes=2, script=SCRIPT)
+    # start-up, a whole epoch and its evaluation: more than the default 120 s (for a step) on a loaded machine
+    wait_for_path(out / "epoch_0", job, timeout=300)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    launch([*args, "--resume_from_checkpoint", "latest"], num_processes=2, script=SCRIPT)
+    return out, output, job.returncode
+
+
+@pytest.fixture(scope="module")
+def trained_flat_2proc(stopped_and_resumed_flat_2proc):
+    return stopped_and_resumed_flat_2proc[0]
 
 
 def test_train_val_layout_one_process_learns_and_reports_everything(trained_split_1proc):
@@ -213,32 +230,44 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
 # ---------------------------------------------------------------- DDP switches (2 CPU processes)
 
 
-# One run checks both switches with fp16 compression (a launch of 2 processes costs ~10 s of start-up)
+@pytest.fixture(scope="module")
+def unused_head_run(split_folder, tmp_path_factory):
+    """--find_unused_parameters on a model with an unused head, gradients all-reduced in bf16 (--ddp_comm_hook): one
+    2-process launch for both switches. Returns (the output folder, the probe's report per rank)."""
+    out = tmp_path_factory.mktemp("unused_head")
+    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", out, "--epochs", "1",
+                                "--max_train_samples", "64", "--model", "tests.image_data:resnet_with_unused_head",
+                                "--find_unused_parameters", "--ddp_comm_hook", "bf16"], 2, out / "probe")
+    return out, reports
+
+
+# No launch of their own (a launch of 2 processes costs ~20 s of start-up): fp16 with --channels_last is the
+# Hub-style dataset's run, bf16 the --find_unused_parameters run. Per run: its steps, evaluated samples, first conv.
 @pytest.mark.parametrize("precision, channels_last", [("fp16", True), ("bf16", False)])
 def test_ddp_comm_hook_compresses_gradients_on_gloo_and_channels_last_reaches_the_convolutions(
-        precision, channels_last, split_folder, tmp_path):
-    channels_last_flags = ["--channels_last", "--checkpointing_steps", "epoch"] if channels_last else []
-    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "96", "--ddp_comm_hook", precision, *channels_last_flags], 2,
-                               tmp_path / "probe")
+        precision, channels_last, request):
+    if precision == "bf16":
+        out, reports = request.getfixturevalue("unused_head_run")
+        steps, eval_samples, first_conv = 64 // 32, 80, "backbone.conv1.weight"
+    else:
+        out, reports = request.getfixturevalue("hub_style_run")
+        steps, eval_samples, first_conv = 120 // 32, 33, "conv1.weight"
     assert [rep["comm_hook"] for rep in reports] == [f"{precision}_compress_hook"] * 2  # as DDP itself reports it
     for rep in reports:  # the weights, and the train and eval batches
         assert rep["weights_channels_last"] == channels_last and rep["inputs_channels_last"] == [channels_last]
-    r = results(tmp_path)
-    assert r["global_step"] == 3 and math.isfinite(r["train_loss"]) and r["eval_samples"] == 80
+    r = results(out)
+    assert r["global_step"] == steps and math.isfinite(r["train_loss"]) and r["eval_samples"] == eval_samples
     assert len(set(r["parameter_fingerprints"])) == 1  # the compressed all-reduce still leaves identical replicas
     # saved weights are plain contiguous tensors, loadable without channels_last
-    assert load_file(tmp_path / "model.safetensors")["conv1.weight"].is_contiguous()
+    assert load_file(out / "model.safetensors")[first_conv].is_contiguous()
 
 
-def test_find_unused_parameters_trains_a_model_with_an_unused_head(split_folder, tmp_path):
-    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1",
-                                "--max_train_samples", "64", "--model", "tests.image_data:resnet_with_unused_head",
-                                "--find_unused_parameters"], 2, tmp_path / "probe")
+def test_find_unused_parameters_trains_a_model_with_an_unused_head(unused_head_run):
+    out, reports = unused_head_run
     assert [rep["find_unused_parameters"] for rep in reports] == [True, True]
-    r = results(tmp_path)
+    r = results(out)
     assert r["global_step"] == 2 and len(set(r["parameter_fingerprints"])) == 1
-    weights = load_file(tmp_path / "model.safetensors")
+    weights = load_file(out / "model.safetensors")
     assert torch.equal(weights["unused_head.weight"], torch.full((4, 512), 0.5))  # never updated
     assert not torch.equal(weights["backbone.fc.bias"], torch.zeros(4))
 
@@ -250,31 +279,26 @@ def test_unused_parameter_without_the_flag_names_the_parameters(split_folder, tm
     assert "backbone" not in [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0]
 
 
-def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the_counts(split_folder, tmp_path):
+def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the_counts(stopped_and_resumed_flat_2proc):
     """torchrun signals each worker's whole process group: the DataLoader workers must not die of it."""
-    # 240 images, 2 processes x 16, drop_last: 7 steps per epoch, 14 in all
-    args = [*FAST, "--num_workers", "1", "--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "2",
-            "--checkpointing_steps", "2"]
-    job = launch_in_background([*args, "--save_on_signal"], num_processes=2, script=SCRIPT)
-    wait_for_path(tmp_path / "step_2", job)
-    job.send_signal(signal.SIGTERM)
-    output, _ = job.communicate(timeout=120)
+    out, output, returncode = stopped_and_resumed_flat_2proc
     stopped = STOPPED_BY_SIGNAL.search(output)
-    assert job.returncode != 0 and stopped, output[-3000:]
+    assert returncode != 0 and stopped, output[-3000:]
     assert "DataLoader worker" not in output, output[-3000:]
     step = int(stopped[1])
-    assert 2 < step < 14 and (tmp_path / f"step_{step}" / "training_state.json").is_file()
-
-    launch([*args, "--resume_from_checkpoint", "latest"], num_processes=2, script=SCRIPT)
-    r = results(tmp_path)
-    assert r["resumed_from"] == str(tmp_path / f"step_{step}")
-    assert r["global_step"] == 14 and r["samples_seen"] == 2 * 7 * 2 * 16
+    # signalled once epoch_0 (step 7) was saved; 21 steps in all
+    assert 7 < step < 21 and (out / f"step_{step}" / "training_state.json").is_file()
+    r = results(out)  # the resumed launch's
+    assert r["resumed_from"] == str(out / f"step_{step}")
+    assert r["global_step"] == 21 and r["samples_seen"] == 3 * 7 * 2 * 16
     assert len(set(r["parameter_fingerprints"])) == 1
 
 
 def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_path):
     out = tmp_path / "out"
-    proc = train(["--data_dir", split_folder, "--output_dir", out, "--sync_bn"], check=False)
+    # the script itself, one process: the refusal comes before any collective (--sync_bn on 2 GPUs: the GPU tests)
+    proc = run([sys.executable, SCRIPT, "--cpu", *FAST, "--data_dir", split_folder, "--output_dir", out, "--sync_bn"],
+               check=False)
     assert_clean_user_error(proc, "--sync_bn", "GPU")
     assert not out.exists()
 
@@ -282,16 +306,26 @@ def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_pa
 # ---------------------------------------------------------------- Hub-style datasets
 
 
-def test_hub_style_dataset_with_other_column_names_is_detected(tmp_path):
-    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub
-    serves them) with CIFAR-100-like columns "img" / "fine_label" and a test split."""
-    data = make_parquet_dataset(tmp_path / "parquet")
-    out = tmp_path / "out"
-    train(["--dataset", data, "--output_dir", out, "--epochs", "1", "--max_eval_samples", "33"])
+@pytest.fixture(scope="module")
+def hub_style_run(tmp_path_factory):
+    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub serves them) with
+    CIFAR-100-like columns "img" / "fine_label" and a test split, on 2 processes with the fp16 --ddp_comm_hook and
+    --channels_last (test_ddp_comm_hook_... reads those). Returns (the output folder, the probe's report per rank)."""
+    root = tmp_path_factory.mktemp("hub_style")
+    data = make_parquet_dataset(root / "parquet")
+    out = root / "out"
+    reports = train_with_probe(["--dataset", data, "--output_dir", out, "--epochs", "1", "--max_eval_samples", "33",
+                                "--ddp_comm_hook", "fp16", "--channels_last", "--checkpointing_steps", "epoch"], 2,
+                               root / "probe")
+    return out, reports
+
+
+def test_hub_style_dataset_with_other_column_names_is_detected(hub_style_run):
+    out, _ = hub_style_run
     r = results(out)
     assert r["eval_samples"] == 33 and r["train_size"] == 120
     assert r["class_names"] == list(CLASSES)  # the ClassLabel's own order, not re-sorted
-    assert r["global_step"] == 120 // 16
+    assert r["global_step"] == 120 // (2 * 16)
 
 
 # ---------------------------------------------------------------- units (no launch)

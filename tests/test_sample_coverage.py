@@ -1,9 +1,9 @@
 """Which samples each process trains, by sample id (tests/sample_recorder.py logs every fetch of the training
 dataset per process): both scripts train each sample exactly once per epoch on 2 and 3 processes, also across a
 mid-epoch resume (here onto another process count), and the last batches are padded exactly as Accelerate's
-even_batches documents. The same runs pin what per-step bookkeeping would get wrong silently: the scheduler
-and clipping once per optimizer step, the accumulation cycle restarted by a resume, set_epoch reaching the
-dataset's augmentations.
+even_batches documents (train_mnist.py) or dropped (train_image_classifier.py). The same runs pin what per-step
+bookkeeping would get wrong silently: the scheduler and clipping once per optimizer step, the accumulation cycle
+restarted by a resume, set_epoch reaching the dataset's augmentations.
 
 "Global order": the batches of all processes interleaved round-robin (batch k of rank r is global batch
 k * num_processes + r, as BatchSamplerShard deals them), i.e. the epoch's shuffle as the batch sampler read it.
@@ -25,11 +25,14 @@ TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 N = 96  # training samples: divides every global batch below, so there is no padding in these runs
 # 2 processes x 6 per batch x 2 accumulation steps = 24 per optimizer step: 4 steps per epoch, 8 batches each
-COMMON = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "6", "--gradient_accumulation_steps", "2",
-          "--checkpointing_steps", "1"]
-MNIST = [*COMMON, "--max_eval_samples", "30", "--max_grad_norm", "1e-6"]  # every step's norm is far above 1e-6
-CLASSIFIER_ARGS = [*COMMON, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--optimizer", "adamw",
-                   "--warmup_epochs", "0"]
+COMMON = ["--epochs", "2", "--batch_size", "6", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "1"]
+# every step's norm is far above 1e-6
+MNIST = ["--max_train_samples", N, *COMMON, "--max_eval_samples", "30", "--max_grad_norm", "1e-6"]
+# The classifier's runs: 4 more images, which no whole global batch takes (24 per optimizer step, and 12 or 24 per
+# round of batches on 2 or 3 processes): drop_last leaves them out of each epoch; the same counts otherwise.
+CLASSIFIER_N = N + 4
+CLASSIFIER_ARGS = ["--max_train_samples", CLASSIFIER_N, *COMMON, "--model", "tests.sample_recorder:tiny_cnn",
+                   "--image_size", "16", "--optimizer", "adamw", "--warmup_epochs", "0"]
 
 
 def launch_recorded(script, args, num_processes, log):
@@ -186,10 +189,11 @@ def test_train_mnist_resume_starts_a_fresh_accumulation_cycle(mnist_runs):
 
 @pytest.fixture(scope="module")
 def classifier_runs(tmp_path_factory):
-    """96 training images; 2 processes as above (images decoded in the main process: fetch order is training
-    order), then a fresh 3-process run of 8 per batch resumes from step_1 with 2 DataLoader workers each."""
+    """100 training images; 2 processes as above (images decoded in the main process: fetch order is training
+    order), then a fresh 3-process run of 8 per batch resumes from step_1 with 2 DataLoader workers each. Both train
+    96 images per epoch: the last 4 of the shuffle are an incomplete round of batches on 2 and on 3 processes."""
     root = tmp_path_factory.mktemp("classifier_coverage")
-    data = make_split_image_folder(root / "data", train_per_class=24, val_per_class=2)
+    data = make_split_image_folder(root / "data", train_per_class=CLASSIFIER_N // 4, val_per_class=2)
     full = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "full", *CLASSIFIER_ARGS,
                                         "--num_workers", "0"], 2, root / "full.log")
     resumed = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "resumed", *CLASSIFIER_ARGS,
@@ -209,8 +213,8 @@ def test_classifier_trains_each_image_once_per_epoch_on_2_processes_with_that_ep
         assert [epoch for epoch, _ in per_process] == [0] * 48 + [1] * 48
     per_rank = [[index for _, index in per_process] for per_process in records]
     epochs = [global_order([ids[e * 48:(e + 1) * 48] for ids in per_rank], 6) for e in range(2)]
-    for order in epochs:
-        assert sorted(order) == list(range(N))
+    for order in epochs:  # every image trained once, on one process only (the 4 left out: the test below)
+        assert len(set(order)) == len(order) == N
     assert epochs[0] != epochs[1]
     r = results(root / "full")
     assert r["global_step"] == r["lr_scheduler_steps"] == 8 and r["samples_seen"] == 2 * N
@@ -219,7 +223,8 @@ def test_classifier_trains_each_image_once_per_epoch_on_2_processes_with_that_ep
 def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest_of_the_same_shuffle(classifier_runs):
     """From the workers' logs (their interleaving is not recorded, so as sets per process): after skipping its first
     batch, rank r trains global batches 3k + r of the uninterrupted run's shuffle, each image once, augmented
-    with the right epoch in the worker processes too."""
+    with the right epoch in the worker processes too; and on 3 processes, too, the shuffle's last 4 images (an
+    incomplete round of 3 batches of 8) are left out, the same 4 as on 2 processes."""
     root, full, resumed = classifier_runs
     assert_ok(full)
     assert_ok(resumed)
@@ -241,19 +246,27 @@ def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest
 
 
 @pytest.mark.parametrize("processes", [2, 3])
-def test_classifier_drops_the_last_incomplete_round(processes, tmp_path):
-    """52 images at --batch_size 8: 6 full batches and one of 4, which drop_last leaves out; 6 full batches deal
-    evenly over 2 and 3 processes, so an epoch trains 48 distinct images and never the other 4 (a different 4 each
-    epoch). What the script's docstring and docs/migration_guide.md ("Uneven data") say."""
-    data = make_split_image_folder(tmp_path / "data", train_per_class=13, val_per_class=2)  # 4 classes: 52 images
-    log = tmp_path / "dropped.log"
-    args = ["--data_dir", data, "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn",
-            "--image_size", "16", "--optimizer", "adamw", "--warmup_epochs", "0", "--epochs", "1", "--batch_size", "8",
-            "--num_workers", "0"]
-    assert_ok(launch_recorded(CLASSIFIER, args, processes, log))
-    per_rank = [[index for _, index in fetched(log, rank)] for rank in range(processes)]
-    assert [len(ids) for ids in per_rank] == [48 // processes] * processes
-    order = global_order(per_rank, 8)
-    assert len(set(order)) == len(order) == 48 and set(order) <= set(range(52))  # 48 once each, 4 never
-    r = results(tmp_path / "out")
-    assert r["num_processes"] == processes and r["samples_seen"] == 48 and r["global_step"] == 6 // processes
+def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
+    """100 images: 8 full rounds of 2 batches of 6 (2 processes) or 4 rounds of 3 batches of 8 (3 processes) and 4
+    images more, which drop_last leaves out: an epoch trains 96 distinct images and never the other 4 (a different 4
+    each epoch), as many on each process. What the script's docstring and docs/migration_guide.md ("Uneven data")
+    say. Read from the runs above: epochs 0 and 1 of the 2-process run, epoch 1 of the resumed 3-process run (whole;
+    its DataLoader workers' logs)."""
+    root, full, resumed = classifier_runs
+    assert_ok(full)
+    assert_ok(resumed)
+    if processes == 2:
+        per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+        epochs = [[i for ids in per_rank for i in ids[e * 48:(e + 1) * 48]] for e in range(2)]
+        assert [len(ids) for ids in per_rank] == [2 * 48] * 2
+    else:
+        per_rank = [[index for worker in range(2) for epoch, index in fetched(root / "resumed.log", rank, worker)
+                     if epoch == 1] for rank in range(3)]
+        epochs = [[i for ids in per_rank for i in ids]]
+        assert [len(ids) for ids in per_rank] == [32] * 3
+    for trained in epochs:
+        assert len(set(trained)) == len(trained) == N and set(trained) <= set(range(CLASSIFIER_N))  # 96 once, 4 never
+    assert len({frozenset(trained) for trained in epochs}) == len(epochs)  # not the same 4 left out every epoch
+    r = results(root / ("full" if processes == 2 else "resumed"))
+    assert r["num_processes"] == processes and r["train_size"] == CLASSIFIER_N and r["samples_seen"] == 2 * N
+    assert r["global_step"] == 2 * N // 24  # 2 epochs of 96 images, 24 per optimizer step
