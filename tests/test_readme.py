@@ -205,6 +205,18 @@ RUN_ELSEWHERE = {
                                            "tests/test_whole_script_conversion.py runs it",
 }
 RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
+# Launches (launcher flags and script, as first_command_per_topology tells them apart) that another test already makes
+# with the same launcher flags and script, and checks more of: not launched a second time here.
+LAUNCHED_BY_ANOTHER_TEST = {
+    "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_mnist.py":
+        "tests/test_configs.py::test_cpu_configs_form_the_process_group_they_promise",  # [cpu_2proc.yaml]
+    # its run "fsdp": the yaml's 2 processes, given as --num_processes 2, under tests/sample_recorder.py
+    "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml scripts/train_mnist.py":
+        "tests/test_fsdp.py::test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp",
+    # its run "resized": --num_processes 3 ... --resume_from_checkpoint latest, under tests/sample_recorder.py
+    "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml --num_processes 3 scripts/train_mnist.py":
+        "tests/test_fsdp.py::test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once",
+}
 
 
 def first_command_per_topology() -> list:
@@ -217,7 +229,8 @@ def first_command_per_topology() -> list:
             continue
         assert script in RUN_HERE, f"no rule runs {script}: add it to RUN_HERE or RUN_ELSEWHERE ({document})"
         launcher_part = command.split(".py", 1)[0]
-        chosen.setdefault(launcher_part, (document, command))
+        if launcher_part + ".py" not in LAUNCHED_BY_ANOTHER_TEST:
+            chosen.setdefault(launcher_part, (document, command))
     return [pytest.param(command, id=f"{document}: {command}") for document, command in chosen.values()]
 
 
@@ -254,6 +267,14 @@ def test_launch_commands_run_on_cpu(command, tmp_path):
         data, extra, expected_eval = make_synthetic_mnist(tmp_path / "data", num_train=128, num_test=40), [], 40
     run([*runnable(command), "--data_dir", data, "--epochs", "1", "--output_dir", out, *extra])
     assert results(out)["eval_samples"] == expected_eval
+
+
+def test_the_launches_another_test_makes_are_documented_and_that_test_exists():
+    documented = {command.split(".py", 1)[0] + ".py" for _, command in launch_commands()}
+    for launch, test in LAUNCHED_BY_ANOTHER_TEST.items():
+        assert launch in documented, f"no document launches {launch}: drop it from LAUNCHED_BY_ANOTHER_TEST"
+        path, name = test.split("::")
+        assert f"\ndef {name}(" in (REPO / path).read_text(), f"{test} does not exist: name the test that runs {launch}"
 
 
 def test_commands_that_need_gpus_are_told_apart():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, launch, launcher_args, results, run
+from helpers import REPO, launch, launcher_args, load_script, results, run
 from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
@@ -138,7 +138,8 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(
     assert (state["epoch"], state["samples_in_epoch"]) == (1, 8)  # one step of 2 processes x 2 batches x 2 images
     resumed.mkdir()
     shutil.copytree(full / "step_4", resumed / "step_4")
-    one = run([*launcher_args(1), TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args), "--output_dir", resumed,
+    # one process: the script run by `python` as accelerate's one-process launcher would run it (a process fewer)
+    one = run([sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args), "--output_dir", resumed,
                "--resume_from_checkpoint", "latest"], check=False)
     assert one.returncode != 0 and "error: a --streaming run resumes on the process count that saved its checkpoint " \
         "(2, not 1): it splits the stream" in one.stdout + one.stderr
@@ -151,9 +152,10 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(
     assert epoch_lines(proc.stdout + proc.stderr) == [1, 2]
 
 
-def test_parquet_shards_and_the_refusals(tmp_path):
+def test_parquet_shards_and_the_refusals(tmp_path, capsys):
     """Parquet files stream too (one process: each epoch reads every image once); --streaming without --max_steps or
-    without an evaluation split: one line each."""
+    without an evaluation split: one line each. The flag checks stop in parse_args, before anything is read: asked
+    in this process; the split check reads the data: a process of its own."""
     import datasets
 
     root = tmp_path / "parquet"
@@ -171,13 +173,17 @@ def test_parquet_shards_and_the_refusals(tmp_path):
     assert (r["global_step"], r["epochs"], r["eval_samples"], r["class_names"]) == (4, 1, 4, list(CLASSES))
     assert sorted(fetched(log, 1)[0, 0]) == sorted(keys)  # 9 images: 4 steps of 2, the last image no batch's
 
-    script = [sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, "--dataset", root]
-    no_steps = run(script, check=False)
-    assert no_steps.returncode != 0 and "--streaming needs --max_steps" in no_steps.stderr
-    in_epochs = run([*script, "--max_steps", "2", "--warmup_epochs", "0.5"], check=False)
-    assert in_epochs.returncode != 0 and "--warmup_epochs does not work with --streaming" in in_epochs.stderr
+    flags = ["--cpu", *RUN, "--dataset", str(root)]
+    parse_args = load_script(TRAIN_IMAGE_CLASSIFIER).parse_args
+    refused = (([], "--streaming needs --max_steps"),
+               (["--max_steps", "2", "--warmup_epochs", "0.5"], "--warmup_epochs does not work with --streaming"))
+    for extra, expected in refused:
+        with pytest.raises(SystemExit) as stopped:
+            parse_args([*flags, *extra])
+        assert stopped.value.code != 0 and expected in capsys.readouterr().err
     (root / "test-00000-of-00001.parquet").unlink()
-    no_eval = run([*script, "--max_steps", "2", "--output_dir", tmp_path / "out2"], check=False)
+    no_eval = run([sys.executable, TRAIN_IMAGE_CLASSIFIER, *flags, "--max_steps", "2", "--output_dir",
+                   tmp_path / "out2"], check=False)
     assert no_eval.returncode != 0
     assert "--streaming needs 'train' and 'validation' or 'test'" in no_eval.stdout + no_eval.stderr
 
