@@ -74,11 +74,12 @@ def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bi
            num_processes=2)
     r, reference = results(tmp_path), results(runs["steps"])
     assert r["num_processes"] == 2 and r["gradient_accumulation_steps"] == 3 and r["resumed_from"].endswith("step_2")
-    assert (tmp_path / "model.safetensors").read_bytes() == (runs["steps"] / "model.safetensors").read_bytes()
     assert r["global_step"] == reference["global_step"] == 10 and r["samples_seen"] == reference["samples_seen"] == 1440
     assert r["parameter_fingerprints"] == reference["parameter_fingerprints"]
     assert r["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-12)
     assert (r["eval_accuracy"], r["eval_loss"]) == (reference["eval_accuracy"], reference["eval_loss"])
+    # last: where the weights differ, pytest's explanation of two unequal 120 kB byte strings takes many minutes
+    assert (tmp_path / "model.safetensors").read_bytes() == (runs["steps"] / "model.safetensors").read_bytes()
 
 
 @pytest.mark.parametrize("checkpoint, num_processes, flags, accumulation", [
