@@ -32,6 +32,7 @@ from helpers import (
 
 from utils.errors import UserError
 from utils.launch.launch_checks import check_enough_devices
+from utils.run.checkpoints import TMP_PREFIX
 from utils.run.run_folder import one_training_at_a_time
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
@@ -53,16 +54,34 @@ def uninterrupted(data, tmp_path_factory):
     return out
 
 
-def test_one_process_mid_epoch_resume_is_bit_exact(data, tmp_path):
-    args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45"]
-    launch([*args, "--output_dir", tmp_path / "full"])
-    (tmp_path / "resumed").mkdir()
-    shutil.copytree(tmp_path / "full" / "step_45", tmp_path / "resumed" / "step_45")  # 13 batches into epoch 1
-    launch([*args, "--output_dir", tmp_path / "resumed", "--resume_from_checkpoint", "latest"])
-    full, resumed = results(tmp_path / "full"), results(tmp_path / "resumed")
-    assert (tmp_path / "resumed" / "model.safetensors").read_bytes() == (tmp_path / "full" / "model.safetensors").read_bytes()
+@pytest.fixture(scope="module")
+def one_process_runs(data, tmp_path_factory):
+    """One process, uninterrupted, then resumed from its step_45 (13 batches into epoch 1). The uninterrupted run is
+    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is."""
+    runs = tmp_path_factory.mktemp("one_process")
+    args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45",
+            "--resume_from_checkpoint", "latest"]
+    full = launch([*args, "--output_dir", runs / "full"])
+    (runs / "full.log").write_text(full.stdout + full.stderr)
+    (runs / "resumed").mkdir()
+    shutil.copytree(runs / "full" / "step_45", runs / "resumed" / "step_45")
+    launch([*args, "--output_dir", runs / "resumed"])
+    return runs
+
+
+def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):
+    full, resumed = results(one_process_runs / "full"), results(one_process_runs / "resumed")
+    assert resumed["resumed_from"] == str(one_process_runs / "resumed" / "step_45")
+    assert (one_process_runs / "resumed" / "model.safetensors").read_bytes() == \
+        (one_process_runs / "full" / "model.safetensors").read_bytes()
     assert resumed["global_step"] == full["global_step"] == 64
     assert resumed["samples_seen"] == full["samples_seen"] == 2 * 1024
+
+
+def test_resume_latest_with_no_checkpoint_starts_from_scratch(one_process_runs):
+    assert "starting from scratch" in (one_process_runs / "full.log").read_text()
+    r = results(one_process_runs / "full")
+    assert r["resumed_from"] is None and r["samples_seen"] == 2 * 1024
 
 
 def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, rank: int = 1) -> int:
@@ -109,17 +128,29 @@ def test_the_launcher_restarts_a_killed_rank_and_the_run_matches_the_uninterrupt
 
 
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, uninterrupted, tmp_path):
+    """The restart wrapper runs the same command again after a rank is killed. The folder also holds a save killed
+    half-way, `.tmp-step_30` without training_state.json (planted before the first attempt): neither attempt resumes
+    from it, the first starts from scratch, the second from its last good checkpoint, and the save of step_30
+    replaces it; --checkpoints_total_limit 2 leaves the two newest."""
     out = tmp_path / "killed"
+    out.mkdir()
+    half_written = shutil.copytree(uninterrupted / "step_30", out / ".tmp-step_30")
+    (half_written / "training_state.json").unlink()
+    (half_written / "model.safetensors").write_bytes(b"\x00" * 10)
     command = ["bash", RESTART, "1", *launcher_args(2), TRAIN_MNIST, "--cpu", "--data_dir", data,
-               "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
+               "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest", "--checkpoints_total_limit", "2"]
     job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
     _kill_rank_after_first_checkpoint(job, out)
     output, _ = job.communicate(timeout=300)
     assert job.returncode == 0, output
     assert "attempt 1 of 2 exited" in output, "the kill must have ended the first attempt"
+    assert "starting from scratch" in output.split("attempt 1 of 2 exited")[0], "the first attempt: no good checkpoint"
     resumed, reference = results(out), results(uninterrupted)
     assert resumed["resumed_from"] is not None and "step_" in resumed["resumed_from"]
+    assert TMP_PREFIX not in resumed["resumed_from"] and f"Resumed from {resumed['resumed_from']}" in output
+    assert not half_written.exists(), "the next save of step_30 replaced the half-written folder"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step_", TMP_PREFIX))) == ["step_80", "step_90"]
     # Resume is deterministic, so the result is exact, not merely close.
     assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
@@ -300,22 +331,6 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, t
     assert stopped[2] == str(saved) and json.loads((saved / "training_state.json").read_text())["global_step"] == step
     assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     assert not list(out.glob(".tmp-*")) and not (out / "results.json").exists()
-
-
-def test_interrupted_save_is_ignored_and_cleaned_up(data, uninterrupted, tmp_path):
-    """A save killed half-way leaves `.tmp-step_N` without training_state.json: never resumed from."""
-    out = tmp_path / "out"
-    out.mkdir()
-    shutil.copytree(uninterrupted / "step_20", out / "step_20")
-    half_written = shutil.copytree(uninterrupted / "step_30", out / ".tmp-step_30")
-    (half_written / "training_state.json").unlink()
-    (half_written / "model.safetensors").write_bytes(b"\x00" * 10)
-    proc = launch(["--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest",
-                   "--checkpoints_total_limit", "2"], num_processes=2)
-    assert "Resumed from " + str(out / "step_20") in proc.stderr + proc.stdout
-    assert not half_written.exists(), "the next save of step_30 replaced the half-written folder"
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step_", ".tmp"))) == ["step_80", "step_90"]
-    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
 
 
 def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_path):

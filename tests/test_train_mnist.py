@@ -101,7 +101,8 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, 
         assert r["eval_samples"] == 2000
         evaluations[n] = (r["eval_accuracy"], r["eval_loss"])
     assert evaluations[1] == evaluations[2] == evaluations[3]
-    # An evaluation set that neither the process count nor the batch divides: test_eval_count_is_exact_for_uneven_sizes_on_3_processes.
+    # An evaluation set that neither the process count nor the batch divides, after training on 3 processes:
+    # tests/test_resume_other_process_count.py (101 samples, 3 x 24). 'latest' with no checkpoint: test_reliability.py.
 
 
 @requires_mnist_10k
@@ -118,47 +119,6 @@ def test_resume_from_first_epoch_checkpoint_is_bit_exact(trained_2proc, tmp_path
 
 
 # ---------------------------------------------------------------- generated digits (always run)
-
-
-def test_mid_epoch_resume_with_gradient_accumulation_is_bit_exact(synthetic_mnist, tmp_path):
-    # 640 samples / 16 per batch = 40 batches, 20 per process, 10 optimizer steps per epoch.
-    common = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16",
-              "--gradient_accumulation_steps", "2", "--checkpointing_steps", "7"]
-    full = tmp_path / "full"
-    launch([*common, "--output_dir", full, "--checkpoints_total_limit", "2"], num_processes=2)
-    r = results(full)
-    assert r["global_step"] == 20
-    assert r["samples_seen"] == 2 * 640
-    assert sorted(p.name for p in full.iterdir() if p.name.startswith("step_")) == ["step_14", "step_7"]
-
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(full / "step_7", resumed / "step_7")  # mid-epoch 0: 14 of 20 batches done
-    launch([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], num_processes=2)
-    rr = results(resumed)
-    assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
-    assert rr["global_step"] == 20 and rr["samples_seen"] == 2 * 640
-    assert rr["parameter_fingerprints"] == r["parameter_fingerprints"]
-    assert rr["train_loss"] == pytest.approx(r["train_loss"], rel=1e-12)
-    assert (rr["eval_accuracy"], rr["eval_loss"]) == (r["eval_accuracy"], r["eval_loss"])
-
-
-def test_eval_count_is_exact_for_uneven_sizes_on_3_processes(synthetic_mnist, tmp_path):
-    # 203 eval samples over 3 processes x 16: the last batches are padded, then the padding dropped.
-    launch(["--data_dir", synthetic_mnist, "--output_dir", tmp_path, "--epochs", "1", "--batch_size", "16"],
-           num_processes=3)
-    r = results(tmp_path)
-    assert r["num_processes"] == 3
-    assert r["eval_samples"] == 203
-    assert len(set(r["parameter_fingerprints"])) == 1 and len(r["parameter_fingerprints"]) == 3
-
-
-def test_resume_latest_with_no_checkpoint_starts_from_scratch(synthetic_mnist, tmp_path):
-    proc = launch(["--data_dir", synthetic_mnist, "--output_dir", tmp_path, "--epochs", "1",
-                   "--resume_from_checkpoint", "latest", "--max_train_samples", "320"])
-    assert "starting from scratch" in proc.stderr + proc.stdout
-    r = results(tmp_path)
-    assert r["resumed_from"] is None and r["samples_seen"] == 320
 
 
 def test_bf16_on_cpu_learns_the_synthetic_digits(synthetic_mnist, tmp_path):
