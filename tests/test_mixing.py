@@ -254,20 +254,32 @@ def mixed_samples(log, rank):
             for epoch, index, partner, kind, lam, digest in lines]
 
 
+# The 1-process run's flags: with a learning rate of 1e-30 its weights stay as they started, so the train loss test
+# below computes its last epoch's logits again from model.safetensors (no workers: its samples logged in training order)
+ONE_PROCESS = ["--batch_size", "12", "--num_workers", "0", "--learning_rate", "1e-30"]
+
+
 @pytest.fixture(scope="module")
 def runs(folder, tmp_path_factory):
-    """2 epochs of 48 images in global batches of 12 (4 steps per epoch): on 1 process (2 workers), 2 (1 worker each,
-    a checkpoint every 3 steps) and 3 (no workers); then the 2-process run resumed from step_6, mid-epoch 1."""
+    """2 epochs of 48 images in global batches of 12 (4 steps per epoch): on 1 process (no workers, ONE_PROCESS), 2
+    (1 worker each, a checkpoint every 3 steps) and 3 (2 workers each); then the 2-process run resumed from step_6,
+    mid-epoch 1."""
     root = tmp_path_factory.mktemp("mixing_runs")
-    common = ["--data_dir", folder, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--epochs", "2",
-              "--optimizer", "adamw", "--warmup_epochs", "0", "--label_smoothing", "0.1", *MIXING]
-    for num_processes, batch_size, workers in ((1, 12, 2), (2, 6, 1), (3, 4, 0)):
-        launch_recorded([*common, "--output_dir", root / f"p{num_processes}", "--batch_size", batch_size,
-                         "--num_workers", workers, *(["--checkpointing_steps", 3] if num_processes == 2 else [])],
-                        num_processes, root / f"p{num_processes}.log")
-    launch_recorded([*common, "--output_dir", root / "resumed", "--batch_size", 6, "--num_workers", 1,
+    for num_processes, flags in ((1, ONE_PROCESS), (2, ["--batch_size", "6", "--num_workers", "1",
+                                                        "--checkpointing_steps", "3"]),
+                                 (3, ["--batch_size", "4", "--num_workers", "2"])):
+        launch_recorded([*run_flags(folder, root / f"p{num_processes}"), *flags], num_processes,
+                        root / f"p{num_processes}.log")
+    launch_recorded([*run_flags(folder, root / "resumed"), "--batch_size", "6", "--num_workers", "1",
                      "--resume_from_checkpoint", root / "p2" / "step_6"], 2, root / "resumed.log")
     return root
+
+
+def run_flags(folder, output_dir) -> list:
+    """What the runs above share."""
+    return ["--data_dir", str(folder), "--output_dir", str(output_dir), "--model", "tests.sample_recorder:tiny_cnn",
+            "--image_size", "16", "--epochs", "2", "--optimizer", "adamw", "--warmup_epochs", "0",
+            "--label_smoothing", "0.1", *MIXING]
 
 
 def test_1_2_and_3_processes_mix_the_same_pairs_into_the_same_samples(runs):
@@ -327,29 +339,29 @@ def test_a_resume_that_changes_adds_or_drops_mixing_is_refused(runs, tmp_path):
         check(old, *MIXING)
 
 
-def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(folder, tmp_path):
-    """A learning rate of 1e-30 leaves the weights as they started (BatchNorm's zero biases move by 1e-30), so every
-    batch's logits can be computed again here from model.safetensors, on the samples the recorder logged in training
-    order (one process, no workers), rebuilt to the same bytes by the script's own build_datasets: train_loss is the
-    mean smoothed cross-entropy against the mixed targets, train_accuracy the mean weight of each predicted class."""
+def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(runs, folder):
+    """The 1-process run's learning rate of 1e-30 left the weights as they started (BatchNorm's zero biases move by
+    1e-30), so every batch's logits of its last epoch can be computed again here from model.safetensors, on the samples
+    the recorder logged in training order (one process, no workers), rebuilt to the same bytes by the script's own
+    build_datasets: train_loss is the mean smoothed cross-entropy against the mixed targets, train_accuracy the mean
+    weight of each predicted class."""
     from safetensors.torch import load_file
     from sample_recorder import digest_of, tiny_cnn
 
     from utils.data.device_input import normalise_on_device
 
-    out, log = tmp_path / "out", tmp_path / "samples.log"
-    args = ["--data_dir", str(folder), "--output_dir", str(out), "--model", "tests.sample_recorder:tiny_cnn",
-            "--image_size", "16", "--epochs", "1", "--batch_size", "12", "--num_workers", "0", "--optimizer", "adamw",
-            "--learning_rate", "1e-30", "--warmup_epochs", "0", "--label_smoothing", "0.1", *MIXING]
-    launch_recorded(args, 1, log)
-    trained = mixed_samples(log, 0)
-    dataset = load_script(CLASSIFIER).build_datasets(load_script(CLASSIFIER).parse_args(args),
-                                                   accelerator=None, progress=None)[0]
+    out = runs / "p1"
+    trained = mixed_samples(runs / "p1.log", 0)
+    assert [epoch for epoch, *_ in trained] == [0] * 48 + [1] * 48
+    script = load_script(CLASSIFIER)
+    dataset = script.build_datasets(script.parse_args([*run_flags(folder, out), *ONE_PROCESS]),
+                                    accelerator=None, progress=None)[0]
+    dataset.set_epoch(1)
     model = tiny_cnn(4)
     model.load_state_dict(load_file(out / "model.safetensors"))
     model.train()  # as in training: BatchNorm normalises by each batch's statistics
     loss_sum, credits = 0.0, []
-    for start in range(0, 48, 12):
+    for start in range(48, 96, 12):
         batch = [dataset[index] for _, index, *_ in trained[start:start + 12]]
         assert [digest_of(*sample) for sample in batch] == [digest for *_, digest in trained[start:start + 12]]
         images, targets = torch.utils.data.default_collate(batch)
@@ -358,7 +370,7 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(fo
         loss_sum += torch.nn.functional.cross_entropy(logits, targets, label_smoothing=0.1).item() * 12
         credits += accuracy_credit(logits, targets).tolist()
     r = results(out)
-    assert r["samples_seen"] == len(trained) == len(credits) == 48
-    assert r["train_loss"] == pytest.approx(loss_sum / 48, rel=1e-6)
+    assert r["samples_seen"] == len(trained) == 96 and len(credits) == 48
+    assert r["train_loss"] == pytest.approx(loss_sum / 48, rel=1e-6)  # the last epoch's
     assert r["train_accuracy"] == pytest.approx(sum(credits) / 48, abs=1e-12)
     assert any(0 < credit < 1 for credit in credits)  # a mixed image predicted as one of its two classes: part credit

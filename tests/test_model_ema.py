@@ -25,6 +25,7 @@ from helpers import (
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
+from test_run_records import run_alone
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -242,8 +243,9 @@ def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_wi
         table = list(csv.DictReader(file))
     assert sum(row["class_1"] == row["label"] for row in table) / len(table) == results(out)["eval_ema_accuracy"]
 
-    proc = launch(["--model_dir", without_ema, "--data_dir", digits, "--output_file", tmp_path / "no.csv", "--weights",
-                   "ema"], script=PREDICT, check=False)
+    # refused before any work: predict.py alone (its launched refusals: tests/test_predict.py)
+    proc = run_alone(["--model_dir", without_ema, "--data_dir", digits, "--output_file", tmp_path / "no.csv",
+                      "--weights", "ema"], script=PREDICT, check=False)
     assert_clean_user_error(proc, f"has no {EMA_WEIGHTS}", "trained without --model_ema", "drop --weights ema")
     assert not (tmp_path / "no.csv").exists()
     with pytest.raises(UserError, match="or it is a best/ folder"):

@@ -52,6 +52,45 @@ def mnist_run(tmp_path_factory):
     return data, root / "run"
 
 
+# The batch sizes the tests below compare the documented commands' files with: 13 images in batches of 4 (the last holds
+# one), 203 digits in batches of 64 (the last holds 11), and the export's 8.
+DOCUMENTED_BATCH_SIZE = {"images": 4, "mnist": 64, "onnx": 8}
+
+
+@pytest.fixture(scope="module")
+def documented(image_run, mnist_run, tmp_path_factory):
+    """The predict.py commands of the README and docs/ (docs/predict_and_export.md), each run once as written plus
+    --cpu, tiny data and a batch size (later flags override earlier ones): {(what, data, folder): (process, file)},
+    what "csv" or "onnx", data "images" or "mnist", folder "best" or "run". The tests below read their files: the
+    1-process predictions from best/ and on MNIST, and the image run's export. On 1 process as the commands say, also
+    where GPUs would make `accelerate launch` start one process per GPU (none visible: they predict with --cpu)."""
+    folder = tmp_path_factory.mktemp("documented")
+    commands = [c for _, c in document_commands() if "scripts/predict.py" in c]
+    assert len(commands) >= 3, "the documents show how to predict on images and on MNIST, and how to export"
+    ran = {}
+    for i, command in enumerate(commands):
+        what = "onnx" if "--export" in command else "csv"
+        if what == "onnx" and importlib.util.find_spec("onnxruntime") is None:
+            continue  # the export tests below say what is missing
+        data_kind = "mnist" if "MNIST" in command else "images"
+        data, out = mnist_run if data_kind == "mnist" else image_run
+        model_dir = out / "best" if "/best" in command else out
+        written = folder / f"{i}.{what}"
+        flags = ["--model_dir", model_dir, "--data_dir", data, "--cpu", "--num_workers", "0",
+                 "--export_file" if what == "onnx" else "--output_file", written,
+                 "--batch_size", DOCUMENTED_BATCH_SIZE["onnx" if what == "onnx" else data_kind]]
+        proc = run([*runnable(command), *flags], env={"CUDA_VISIBLE_DEVICES": ""})
+        assert written.is_file(), command
+        ran.setdefault((what, data_kind, "best" if "/best" in command else "run"), (proc, written))
+    return ran
+
+
+def documented_run(documented, *key):
+    """(process, file) of the documented command `key` names; the documents must show one."""
+    assert key in documented, f"no predict.py command of the documents is {key}: {sorted(documented)}"
+    return documented[key]
+
+
 def predict(model_dir, data, output, num_processes=1, *flags, **kwargs):
     """accelerate launch scripts/predict.py --cpu on N CPU processes."""
     return launch(["--model_dir", model_dir, "--data_dir", data, "--output_file", output, *flags], num_processes,
@@ -67,19 +106,24 @@ def top1_accuracy(table) -> float:
     return sum(row["class_1"] == row["label"] for row in table) / len(table)
 
 
-def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_accuracy(image_run, tmp_path):
+def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_accuracy(image_run, documented,
+                                                                                        tmp_path):
     data, out = image_run
-    files = {}
-    # 1 process reads best/ (its records are in the run folder above it), 2 and 3 the run folder: the same weights
-    for num_processes, model_dir in ((1, out / "best"), (2, out), (3, out)):
+    # 1 process reads best/ (its records are in the run folder above it): the documented command, in batches of 4
+    proc, one = documented_run(documented, "csv", "images", "best")
+    outputs = {1: (proc, one)}
+    for num_processes in (2, 3):  # the run folder: the same weights
         output = tmp_path / f"predictions_{num_processes}.csv"
-        proc = predict(model_dir, data, output, num_processes, "--batch_size", "4", "--num_workers", "0")
+        proc = predict(out, data, output, num_processes, "--batch_size", "4", "--num_workers", "0")
+        outputs[num_processes] = proc, output
+    files = {}
+    for num_processes, (proc, output) in outputs.items():
         assert f"on {num_processes} process(es)" in proc.stdout, proc.stdout  # the process count really was N
         assert "images/s" in proc.stdout
         files[num_processes] = output.read_bytes()
     assert files[1] == files[2] == files[3]
 
-    table = rows(tmp_path / "predictions_1.csv")
+    table = rows(one)
     val_images = sorted(str(p) for p in (data / "val").rglob("*.png"))
     assert [row["index"] for row in table] == [str(i) for i in range(NUM_EVAL_IMAGES)]  # each once, in order
     assert sorted(row["source"] for row in table) == val_images
@@ -94,13 +138,14 @@ def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_a
     assert f"accuracy {results(out)['eval_accuracy']:.4f} on {NUM_EVAL_IMAGES} labelled inputs" in proc.stdout
 
 
-def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mnist_run, tmp_path):
+def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mnist_run, documented, tmp_path):
     """203 digits in batches of 64: the last one holds 11. Without padding it to a whole batch, the 1-process
     file differed from the 2- and 3-process ones in one probability's 6th decimal on this data (0.259358 and
-    0.259359): the CPU rounds a batch of 11 differently from one of 64."""
+    0.259359): the CPU rounds a batch of 11 differently from one of 64. 1 process: the documented command."""
     data, out = mnist_run
-    one, three = tmp_path / "one.csv", tmp_path / "three.csv"
-    predict(out, data, one, 1, "--batch_size", "64")
+    proc, one = documented_run(documented, "csv", "mnist", "run")
+    assert "on 1 process(es)" in proc.stdout, proc.stdout
+    three = tmp_path / "three.csv"
     proc = predict(out, data, three, 3, "--batch_size", "64")
     assert "on 3 process(es)" in proc.stdout
     assert one.read_bytes() == three.read_bytes()
@@ -258,7 +303,8 @@ def require_onnx_export():
         skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
 
 
-def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(image_run, tmp_path):
+def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(image_run, documented):
+    """The file of the documented export command (--batch_size 8)."""
     require_onnx_export()
     import onnx
     import onnxruntime
@@ -270,9 +316,7 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     from utils.data.recipes import eval_transform
 
     data, out = image_run
-    path = tmp_path / "model.onnx"
-    proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", out, "--data_dir", data, "--export", "onnx",
-                "--export_file", path, "--batch_size", "8"])
+    proc, path = documented_run(documented, "onnx", "images", "run")
     assert f"Wrote {path}" in proc.stdout and not (out / "model.onnx").exists()
 
     model = onnx.load(str(path))
@@ -324,17 +368,10 @@ def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_p
     assert logits.shape == (16, 10) and abs(logits - expected).max() <= 1e-4, abs(logits - expected).max()
 
 
-def test_documented_predict_commands_run(image_run, mnist_run, tmp_path):
-    """The predict.py commands of the README and docs/ (docs/predict_and_export.md), as written plus --cpu and tiny
-    data (later flags override earlier ones)."""
-    commands = [c for _, c in document_commands() if "scripts/predict.py" in c]
-    assert len(commands) >= 3, "the documents show how to predict on images and on MNIST, and how to export"
-    for i, command in enumerate(commands):
-        if "--export" in command and importlib.util.find_spec("onnxruntime") is None:
-            continue  # the export test above says what is missing
-        data, out = mnist_run if "MNIST" in command else image_run
-        model_dir = out / "best" if "/best" in command else out
-        flags = ["--model_dir", model_dir, "--data_dir", data, "--cpu", "--num_workers", "0"]
-        flags += ["--export_file", tmp_path / f"{i}.onnx"] if "--export" in command else [
-            "--output_file", tmp_path / f"{i}.csv"]
-        run([*runnable(command), *flags])
+def test_documented_predict_commands_run(documented):
+    """The predict.py commands of the README and docs/ (docs/predict_and_export.md) ran, each writing its file: the
+    `documented` fixture runs them once, for the tests above to read."""
+    expected = {("csv", "images", "best"), ("csv", "mnist", "run")}
+    if importlib.util.find_spec("onnxruntime") is not None:
+        expected.add(("onnx", "images", "run"))
+    assert expected <= documented.keys(), sorted(documented)

@@ -6,6 +6,7 @@ own eval_results.json about the checkpoint it evaluated, never the training run'
 import json
 import re
 import shutil
+import sys
 
 import pytest
 from helpers import (
@@ -16,6 +17,7 @@ from helpers import (
     launch,
     load_script,
     results,
+    run,
     run_folder_of,
     snapshot,
 )
@@ -35,14 +37,21 @@ def read_json(path) -> dict:
     return json.loads(path.read_text())
 
 
+def run_alone(script_args, script=TRAIN_MNIST, **kwargs):
+    """python SCRIPT --cpu ARGS: one process, without `accelerate launch` (its own process) around it. For what a
+    script decides before it trains (a refusal, nothing left to train), where a launched test checks the same decision
+    (each test says which): half the processes. (tests/test_step_based_runs.py and tests/test_model_ema.py use it too.)"""
+    return run([sys.executable, script, "--cpu", *script_args], **kwargs)
+
+
 def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
     out = tmp_path / "out"
     common = ["--data_dir", synthetic_mnist, "--output_dir", out, *TINY]
 
-    # 2 processes x 16: 2 optimizer steps, a checkpoint after each
-    launch([*common, "--checkpointing_steps", "1"], num_processes=2)
+    # 2 processes x 16: 2 optimizer steps, a checkpoint after each; best/ by --metric_for_best
+    launch([*common, "--checkpointing_steps", "1", "--metric_for_best", "eval_accuracy"], num_processes=2)
     assert sorted(p.name for p in out.iterdir()) == [
-        "model.safetensors", "results.json", "run.json", "run.lock", "step_1", "step_2"]
+        "best", "model.safetensors", "results.json", "run.json", "run.lock", "step_1", "step_2"]
     assert (out / "run.lock").read_bytes() == b""  # no training holds it
     record = read_json(out / "step_2" / "run.json")
     assert record == read_json(out / "run.json") == results(out)["run"]
@@ -54,7 +63,7 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
     # another run into it: one line naming the folder, what it holds, how the runs differ and the fixes; nothing written
     proc = launch([*common, "--seed", "7"], check=False)
     assert_clean_user_error(proc, f"--output_dir {out} already holds a finished run's files (step_1, step_2, "
-                            "model.safetensors, results.json) of other flags: seed 42 -> 7",
+                            "best, model.safetensors, results.json) of other flags: seed 42 -> 7",
                             "--overwrite_output_dir", "another --output_dir")
     assert snapshot(out) == first_run
 
@@ -64,7 +73,8 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
     assert_clean_user_error(proc, "step_2", "max_train_samples 64 -> 32", "seed 42 -> 7")
     assert snapshot(out) == first_run
 
-    # --overwrite_output_dir: the old run's checkpoints are gone, so 'latest' can only find the new run's
+    # --overwrite_output_dir: nothing of the old run is left, best/ included; its checkpoints gone, 'latest' can only
+    # find the new run's
     launch([*common, "--overwrite_output_dir", "--checkpointing_steps", "epoch", "--seed", "7"])
     assert sorted(p.name for p in out.iterdir()) == ["epoch_0", "model.safetensors", "results.json", "run.json",
                                                      "run.lock"]
@@ -100,47 +110,43 @@ def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):
 def test_a_finished_run_is_left_as_it_is_by_its_own_command_and_refused_to_another(synthetic_mnist, tmp_path):
     """Issue 29: a restart of a finished run trains nothing, by its record, whatever its last checkpoint: here step_3
     of 4 steps (--checkpointing_steps 3), with or without --resume_from_checkpoint latest (what a restart loop, a
-    requeue or scripts/sweep.py run again). A finished run without checkpoints is refused to another run, also where
-    it left only best/; --overwrite_output_dir deletes all of it, best/ included."""
+    requeue or scripts/sweep.py run again). A finished run without checkpoints (here the one deleted) is refused to
+    another run, also where it left only best/. (--overwrite_output_dir deletes all of it, best/ included: the test
+    above.) The launched forms of the decisions run alone here: the test above."""
     out = tmp_path / "out"
-    common = ["--data_dir", synthetic_mnist, "--output_dir", out, *TINY]  # 1 process: 4 optimizer steps of 16
+    # 1 process: 4 optimizer steps of 16; best/ by --metric_for_best
+    common = ["--data_dir", synthetic_mnist, "--output_dir", out, *TINY, "--metric_for_best", "eval_accuracy"]
     launch([*common, "--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"])
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "results.json", "run.json", "run.lock",
-                                                     "step_3"]
+    assert sorted(p.name for p in out.iterdir()) == ["best", "model.safetensors", "results.json", "run.json",
+                                                     "run.lock", "step_3"]
     finished = snapshot(out)
-    for again in (["--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"], []):
-        proc = launch([*common, *again])
+    for again, start in ((["--checkpointing_steps", "3", "--resume_from_checkpoint", "latest"], launch),
+                         ([], run_alone)):
+        proc = start([*common, *again])
         said = re.findall(r"Nothing left to train: (\S+) reports this run finished after step (\d+);", proc.stderr)
         assert said == [(str(out / "results.json"), "4")], proc.stderr[-3000:]
         assert "Resumed from" not in proc.stderr and snapshot(out) == finished
 
-    plain = tmp_path / "plain"  # no checkpoints; best/ by --metric_for_best
-    plain_run = ["--data_dir", synthetic_mnist, "--output_dir", plain, *TINY]
-    launch([*plain_run, "--metric_for_best", "eval_accuracy"])
-    finished = snapshot(plain)
-    proc = launch([*plain_run, "--learning_rate", "1e-3"], check=False)
-    assert_clean_user_error(proc, f"--output_dir {plain} already holds a finished run's files (best, "
+    shutil.rmtree(out / "step_3")  # no checkpoints: as a run that saved none
+    finished = snapshot(out)
+    proc = run_alone([*common, "--learning_rate", "1e-3"], check=False)
+    assert_clean_user_error(proc, f"--output_dir {out} already holds a finished run's files (best, "
                             "model.safetensors, results.json) of other flags: learning_rate 0.003 -> 0.001",
                             "--overwrite_output_dir")
-    assert snapshot(plain) == finished
+    assert snapshot(out) == finished
     # --eval_only evaluates checkpoints: for a finished run's weights it names predict.py
-    with pytest.raises(UserError, match=rf"no complete checkpoint in {plain}; its model.safetensors .* is evaluated by "
-                                        rf"scripts/predict.py --model_dir {plain}"):
-        resolve_checkpoint("latest", plain, eval_only=True)
+    with pytest.raises(UserError, match=rf"no complete checkpoint in {out}; its model.safetensors .* is evaluated by "
+                                        rf"scripts/predict.py --model_dir {out}"):
+        resolve_checkpoint("latest", out, eval_only=True)
 
     # only another run's best/ left (its files deleted by hand): a new run, even with 'latest', is refused
     only_best = tmp_path / "only_best"
-    shutil.copytree(plain / "best", only_best / "best")
+    shutil.copytree(out / "best", only_best / "best")
     mnist = load_script(TRAIN_MNIST)
     args = mnist.parse_args(["--data_dir", str(synthetic_mnist), "--output_dir", str(only_best), *map(str, TINY),
                              "--seed", "7", "--resume_from_checkpoint", "latest"])
     with pytest.raises(UserError, match=r"already holds another run's files \(best\) of other flags: seed 42 -> 7"):
         check_output_dir(run_folder_of(mnist, args), None, args.resume_from_checkpoint)
-
-    # --overwrite_output_dir: nothing of the old run is left, best/ included
-    launch([*plain_run, "--learning_rate", "1e-3", "--overwrite_output_dir"])
-    assert sorted(p.name for p in plain.iterdir()) == ["model.safetensors", "results.json", "run.json", "run.lock"]
-    assert results(plain)["run"]["learning_rate"] == 1e-3
 
 
 def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
@@ -155,10 +161,11 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
         32, "small", 1, 16)
     first_run = snapshot(out)
 
-    # (a new run refused and a resume with nothing left: the shared blocks, tested on train_mnist.py above)
+    # (a new run refused and a resume with nothing left: the shared blocks, tested on train_mnist.py above; those
+    # launched there, the decisions below run the script alone)
     # --epochs may change on a resume (the cosine is recomputed from it), --image_size may not
-    proc = launch([*common, "--image_size", "48", "--epochs", "3", "--resume_from_checkpoint", "latest"],
-                  script=CLASSIFIER, check=False)
+    proc = run_alone([*common, "--image_size", "48", "--epochs", "3", "--resume_from_checkpoint", "latest"],
+                     script=CLASSIFIER, check=False)
     assert_clean_user_error(proc, "epoch_0", "image_size 32 -> 48")
     assert "epochs" not in error_lines(proc)[0]
     assert snapshot(out) == first_run
@@ -178,7 +185,8 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(tmp_path):
     shutil.rmtree(out / "epoch_0")
     (out / "eval_results.json").unlink()
     finished = snapshot(out)
-    proc = launch([*common, "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest"], script=CLASSIFIER)
+    proc = run_alone([*common, "--checkpointing_steps", "epoch", "--resume_from_checkpoint", "latest"],
+                     script=CLASSIFIER)
     assert f"Nothing left to train: {out / 'results.json'} reports this run finished after step 4" in proc.stderr
     assert snapshot(out) == finished
 

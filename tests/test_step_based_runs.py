@@ -13,6 +13,7 @@ import shutil
 import pytest
 from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
+from test_run_records import run_alone
 
 from utils.launch.flags import HIGHER_IS_BETTER
 from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
@@ -160,10 +161,11 @@ def test_the_last_steps_checkpoint_resumes_to_the_epochs_end_or_to_nothing_once_
                                                                                          tmp_path):
     """step_7 was saved after the last step, before the end of its epoch: alone in a new folder it still has the final
     evaluation and the report to do (on 1 process: the process count may change); where the run reported it, a
-    resume trains nothing and writes nothing."""
+    resume trains nothing and writes nothing (decided before any training: the script runs alone, without `accelerate
+    launch`, whose form of it tests/test_run_records.py checks)."""
     full, _ = seven_steps
     before = snapshot(full)
-    proc = launch(["--data_dir", digits, "--output_dir", full, *MNIST_RUN, "--resume_from_checkpoint", "latest"])
+    proc = run_alone(["--data_dir", digits, "--output_dir", full, *MNIST_RUN, "--resume_from_checkpoint", "latest"])
     assert f"Nothing left to train: {full / 'step_7'} has 7 optimizer steps done and --max_steps is 7" in proc.stderr
     assert snapshot(full) == before
 
