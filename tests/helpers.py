@@ -73,6 +73,13 @@ def launch(script_args, num_processes: int = 1, config_file=None, script=TRAIN_M
     return run([*launcher_args(num_processes, config_file), script, "--cpu", *script_args], **kwargs)
 
 
+def run_alone(script_args, script=TRAIN_MNIST, **kwargs):
+    """python SCRIPT --cpu ARGS: one process, without `accelerate launch` (a process of its own) around it, as
+    accelerate's one-process launcher would run it. For what a script decides before it trains (a refusal, nothing
+    left to train, a lock), where a launched test checks the same kind of decision: half the processes."""
+    return run([sys.executable, script, "--cpu", *script_args], **kwargs)
+
+
 def launch_in_background(script_args, num_processes: int = 1, script=TRAIN_MNIST, **popen) -> subprocess.Popen:
     """Like launch(), but returns at once; stdout and stderr together in .communicate()[0]. `popen`: more of
     Popen's arguments (start_new_session=True: a process group of its own, to signal as a terminal would)."""

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args, make_synthetic_mnist, run
+from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args, make_synthetic_mnist, run, run_alone
 
 sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
@@ -16,7 +16,7 @@ from utils.launch.launch_config import check_launch_config  # noqa: E402
 
 def train(*args, **kwargs):
     """The script in one process, no launcher: the launcher adds its own report to failures."""
-    return run([sys.executable, TRAIN_MNIST, "--cpu", *args], check=False, **kwargs)
+    return run_alone(args, check=False, **kwargs)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ import json
 import math
 import shutil
 import signal
-import sys
 import urllib.error
 
 import pytest
@@ -19,6 +18,7 @@ from helpers import (
     launcher_args,
     results,
     run,
+    run_alone,
     tensorboard_scalars,
     wait_for_path,
 )
@@ -297,8 +297,7 @@ def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the
 def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_path):
     out = tmp_path / "out"
     # the script itself, one process: the refusal comes before any collective (--sync_bn on 2 GPUs: the GPU tests)
-    proc = run([sys.executable, SCRIPT, "--cpu", *FAST, "--data_dir", split_folder, "--output_dir", out, "--sync_bn"],
-               check=False)
+    proc = run_alone([*FAST, "--data_dir", split_folder, "--output_dir", out, "--sync_bn"], script=SCRIPT, check=False)
     assert_clean_user_error(proc, "--sync_bn", "GPU")
     assert not out.exists()
 

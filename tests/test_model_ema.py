@@ -20,12 +20,12 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
+    run_alone,
     run_folder_of,
 )
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
-from test_run_records import run_alone
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError

@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from helpers import (
     make_synthetic_mnist,
     results,
     run,
+    run_alone,
     training_processes,
     wait_for_path,
 )
@@ -260,7 +260,7 @@ def test_one_training_per_folder_and_a_one_process_launch_stops_on_sigterm_or_sa
         assert holder_pid(out) == holder.pid
         # a restart while the first runs: the script itself (the lock is the same under a launcher, which would
         # only add its own start-up)
-        second = run([sys.executable, TRAIN_MNIST, "--cpu", *args], check=False)
+        second = run_alone(args, check=False)
         assert_clean_user_error(second, f"--output_dir {out} is in use by another training",
                                 f"pid {holder.pid} on {socket.gethostname()}")
         assert "Resumed from" not in second.stdout + second.stderr and not (out / "results.json").exists()
@@ -334,8 +334,8 @@ def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, t
 
 
 def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_path):
-    proc = run([sys.executable, TRAIN_MNIST, "--cpu", "--data_dir", data, "--output_dir", tmp_path,
-                "--learning_rate", "1e30", "--batch_size", "16", "--checkpointing_steps", "1"], check=False)
+    proc = run_alone(["--data_dir", data, "--output_dir", tmp_path, "--learning_rate", "1e30", "--batch_size", "16",
+                      "--checkpointing_steps", "1"], check=False)
     assert proc.returncode == 1
     (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
     assert "the loss became nan at step 2" in line and str(tmp_path / "step_1") in line, line

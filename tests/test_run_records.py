@@ -6,7 +6,6 @@ own eval_results.json about the checkpoint it evaluated, never the training run'
 import json
 import re
 import shutil
-import sys
 
 import pytest
 from helpers import (
@@ -17,7 +16,7 @@ from helpers import (
     launch,
     load_script,
     results,
-    run,
+    run_alone,
     run_folder_of,
     snapshot,
 )
@@ -35,13 +34,6 @@ FAST_CLASSIFIER = ["--model", "resnet18", "--image_size", "32", "--stem", "image
 
 def read_json(path) -> dict:
     return json.loads(path.read_text())
-
-
-def run_alone(script_args, script=TRAIN_MNIST, **kwargs):
-    """python SCRIPT --cpu ARGS: one process, without `accelerate launch` (its own process) around it. For what a
-    script decides before it trains (a refusal, nothing left to train), where a launched test checks the same decision
-    (each test says which): half the processes. (tests/test_step_based_runs.py and tests/test_model_ema.py use it too.)"""
-    return run([sys.executable, script, "--cpu", *script_args], **kwargs)
 
 
 def test_train_mnist_keeps_one_run_per_output_dir(synthetic_mnist, tmp_path):

@@ -11,9 +11,8 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, launch, make_synthetic_mnist, results, snapshot, tensorboard_scalars
+from helpers import REPO, launch, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
-from test_run_records import run_alone
 
 from utils.launch.flags import HIGHER_IS_BETTER
 from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state

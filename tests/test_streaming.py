@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, launch, launcher_args, load_script, results, run
+from helpers import REPO, launch, launcher_args, load_script, results, run_alone, run
 from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
@@ -139,8 +139,8 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(
     resumed.mkdir()
     shutil.copytree(full / "step_4", resumed / "step_4")
     # one process: the script run by `python` as accelerate's one-process launcher would run it (a process fewer)
-    one = run([sys.executable, TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *map(str, args), "--output_dir", resumed,
-               "--resume_from_checkpoint", "latest"], check=False)
+    one = run_alone([*RUN, *map(str, args), "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
+                    script=TRAIN_IMAGE_CLASSIFIER, check=False)
     assert one.returncode != 0 and "error: a --streaming run resumes on the process count that saved its checkpoint " \
         "(2, not 1): it splits the stream" in one.stdout + one.stderr
     proc = launch_recorded([*args, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], tmp_path / "log2", 2)
