@@ -49,6 +49,12 @@ def launcher_args(num_processes: int = 1, config_file=None) -> list:
     return cmd + ["--num_processes", "1"]
 
 
+def threads_left_message(threads_left: list) -> str:
+    """What the exit check's files say, and the fix."""
+    return (f"{''.join(threads_left)}release the DDP model before end_training "
+            f"(docs/migration_guide.md, 'Ending a run cleanly')")
+
+
 def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command; a run that succeeds must also have left no gloo worker thread alive at the exit of any of
     its Python processes (tests/exit_check/sitecustomize.py records them): one alive there can abort the exit."""
@@ -62,9 +68,7 @@ def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.Compl
         threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, cmd))} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    assert proc.returncode != 0 or not threads_left, (
-        f"{' '.join(map(str, cmd))}: {''.join(threads_left)}release the DDP model before end_training "
-        f"(docs/migration_guide.md, 'Ending a run cleanly')")
+    assert proc.returncode != 0 or not threads_left, f"{' '.join(map(str, cmd))}: {threads_left_message(threads_left)}"
     return proc
 
 

@@ -238,7 +238,7 @@ def test_a_flag_of_the_other_model_is_refused_with_one_line(synthetic_mnist, tmp
     assert proc.returncode == 2 and not (tmp_path / "resnet").exists()
     # the same refusal in parse_args the other way round, in this process (a process of its own cost 6 s)
     with pytest.raises(SystemExit) as stopped:
-        load_module(BENCHMARK_TRAIN).parse_args(["--method", "plain", "--cpu", "--data_dir", str(synthetic_mnist),
+        load_script(BENCHMARK_TRAIN).parse_args(["--method", "plain", "--cpu", "--data_dir", str(synthetic_mnist),
                                                  "--image_size", "32", "--output_dir", str(tmp_path / "convnet")])
     (line,) = capsys.readouterr().err.splitlines()
     assert stopped.value.code == 2 and line.startswith("error: ")
@@ -248,7 +248,7 @@ def test_a_flag_of_the_other_model_is_refused_with_one_line(synthetic_mnist, tmp
 
 def test_every_model_flag_is_checked_for_the_other_model(capsys):
     """The same check, in-process, for each flag of one model given to the other; each model's own flags pass."""
-    benchmark_train = load_module(BENCHMARK_TRAIN)
+    benchmark_train = load_script(BENCHMARK_TRAIN)
     assert {"data_dir", "max_train_samples"} <= set(benchmark_train.MNIST_ONLY)  # the loop below checks each one
     assert {"image_size", "synthetic_samples"} <= set(benchmark_train.RESNET_ONLY)
     for model, flags in (("resnet50", benchmark_train.MNIST_ONLY), ("convnet", benchmark_train.RESNET_ONLY)):
@@ -310,23 +310,10 @@ def test_accelerate_method_honours_ddp_timeout(synthetic_mnist, tmp_path):
 # ---------------------------------------------------------------- GPU-path logic, shown on the CPU
 
 
-def load_module(path):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"{path.stem}_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_benchmark_module():
-    return load_module(BENCHMARK)
-
-
 def test_a_dataparallel_row_counts_gpus_not_processes():
     """DataParallel is one process driving N GPUs: a 2-GPU run is what was asked for, even though
     results.json says one process (before the fix every such row was marked failed)."""
-    benchmark = load_benchmark_module()
+    benchmark = load_script(BENCHMARK)
     combo = benchmark.Combination("mnist", "device", "dataparallel", "fp16", 2)
     assert benchmark.ran_as_asked(combo, {"num_processes": 1, "num_gpus": 2}) is None
     assert benchmark.ran_as_asked(combo, {"num_processes": 1, "num_gpus": 1}) == "ran on 1 GPUs, not 2"
@@ -338,7 +325,7 @@ def test_a_dataparallel_row_counts_gpus_not_processes():
 def test_dataparallel_respects_the_users_gpu_selection(monkeypatch):
     """DataParallel sees the first N of the GPUs the user chose, as torchrun's and accelerate's
     processes take the first N of them; without a choice, the first N of the machine's."""
-    benchmark = load_benchmark_module()
+    benchmark = load_script(BENCHMARK)
     dataparallel = benchmark.Combination("mnist", "device", "dataparallel", "fp16", 2)
     ddp = benchmark.Combination("mnist", "device", "ddp", "fp16", 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import EXIT_CHECK, REPO, free_consecutive_ports, free_port, launcher_args, run
+from helpers import EXIT_CHECK, REPO, free_consecutive_ports, free_port, launcher_args, run, threads_left_message
 from doc_commands import bash_commands, check_command
 
 GUIDE_PATH = REPO / "docs" / "migration_guide.md"
@@ -128,16 +128,15 @@ SNIPPET_TIMEOUT = 240
 
 def run_batch(launcher: str, folder) -> None:
     """Run every runnable snippet of this launcher in one launch; record each one's outcome in OUTCOMES."""
-    codes = [code for marker, code in (p.values for p in RUNNABLE) if BATCHED_WITH.get(marker, marker) == launcher]
-    first_port = free_consecutive_ports(len(codes))
+    snippets = [p.values for p in RUNNABLE if BATCHED_WITH.get(p.values[0], p.values[0]) == launcher]
+    first_port = free_consecutive_ports(len(snippets))
     entries = []
-    for index, code in enumerate(codes):
+    for index, (marker, code) in enumerate(snippets):
         snippet_folder = folder / f"snippet_{index}"
         snippet_folder.mkdir()
         variables = COMPARED_IN.get(code, [])
         snippet = snippet_folder / "snippet.py"
         snippet.write_text(code + (SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""))
-        marker = next(p.values[0] for p in RUNNABLE if p.values[1] == code)
         path = [RUNNER_ENV[marker]["PYTHONPATH"]] if marker in RUNNER_ENV else []
         env = {
             # its own port: for its group, and for mp.spawn and notebook_launcher, which otherwise take 29500
@@ -151,9 +150,9 @@ def run_batch(launcher: str, folder) -> None:
                         "timeout": SNIPPET_TIMEOUT})
     manifest = folder / "manifest.json"
     manifest.write_text(json.dumps(entries))
-    run([*RUNNERS[launcher](BATCH), manifest], cwd=folder, timeout=SNIPPET_TIMEOUT * len(codes),
+    run([*RUNNERS[launcher](BATCH), manifest], cwd=folder, timeout=SNIPPET_TIMEOUT * len(snippets),
         env={"OMP_NUM_THREADS": "1"})
-    for code, entry in zip(codes, entries):
+    for (_, code), entry in zip(snippets, entries):
         OUTCOMES[code] = outcome_in(Path(entry["folder"]), PROCESSES[launcher])
 
 
@@ -168,8 +167,7 @@ def outcome_in(folder, processes: int):
                 text[-4000:] for text in output))
     threads_left = [path.read_text() for path in (folder / "exit_check").iterdir()]
     if threads_left:
-        return AssertionError(f"{''.join(threads_left)}release the DDP model before end_training "
-                              f"(docs/migration_guide.md, 'Ending a run cleanly')")
+        return AssertionError(threads_left_message(threads_left))
     return {int(path.stem.split("_")[1]): json.loads(path.read_text()) for path in folder.glob("compared_*.json")}
 
 
