@@ -297,9 +297,14 @@ def apex_runs(tmp_path_factory):
     results["before", 1] = run([sys.executable, APEX_BEFORE, *one_batch], env=STANDINS, cwd=out / "before_1").stdout
     # one process: plain python (an Accelerator needs no launcher), half the start-up cost of accelerate launch
     results["after", 1] = run([sys.executable, APEX_AFTER, *one_batch], env=ONE_THREAD, cwd=out / "after_1").stdout
-    launcher = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "2"]
-    results["before", 2] = run([*launcher, APEX_BEFORE, *APEX_ARGS, "-b", "32", "--epochs", "2"], env=STANDINS,
-                               cwd=out / "before_2").stdout
+    # Every rank of the before prints its evaluation line, as apex's does; the launcher sets PYTHONUNBUFFERED, so
+    # print's text and its newline are two writes and two ranks' lines can merge on a shared stdout: one file each.
+    launcher = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "2",
+                "--log-dir", out / "before_2_logs", "--redirects", "1"]
+    run([*launcher, APEX_BEFORE, *APEX_ARGS, "-b", "32", "--epochs", "2"], env=STANDINS, cwd=out / "before_2")
+    for rank in (0, 1):
+        (rank_stdout,) = (out / "before_2_logs").glob(f"*/attempt_0/{rank}/stdout.log")
+        results["before", 2, rank] = rank_stdout.read_text()
     first = launch([*APEX_ARGS, "-b", "32", "--epochs", "1"], num_processes=2, script=APEX_AFTER, env=ONE_THREAD,
                    cwd=out / "after_2").stdout
     second = launch([*APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"], num_processes=2,
@@ -333,7 +338,7 @@ def test_apex_two_processes_resumed_end_as_the_uninterrupted_before_with_the_exa
     with its weights; its evaluation is the exact one over 101 images, where the before averages per-batch
     precisions over padded shards of 51 and prints its own 51."""
     out, results = apex_runs
-    before, after = results["before", 2], results["after", 2]
+    before, after = results["before", 2, 0], results["after", 2]
     assert "=> loaded checkpoint 'checkpoint' (epoch 1)" in after
     steps_before, steps_after = APEX_STEP.findall(before), APEX_STEP.findall(after)
     assert len(steps_before) == 8 and [s[:3] for s in steps_before] == [s[:3] for s in steps_after]
@@ -351,5 +356,6 @@ def test_apex_two_processes_resumed_end_as_the_uninterrupted_before_with_the_exa
     assert int(count) == exact_count == 101
     assert float(accuracy) == pytest.approx(exact_accuracy, abs=1e-3)
     assert float(loss) == pytest.approx(exact_loss, abs=1e-6)
-    assert APEX_EVALUATION.findall(before)[-1][3] == "51"  # each process's padded shard
+    for rank in (0, 1):  # each process's padded shard, each epoch
+        assert [count for *_, count in APEX_EVALUATION.findall(results["before", 2, rank])] == ["51", "51"]
     assert progress["best_prec1"] == pytest.approx(max(float(a) for a, *_ in APEX_EVALUATION.findall(after)), abs=1e-3)
