@@ -9,9 +9,11 @@ from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args,
 sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
 
+from utils.data.mnist import load_mnist  # noqa: E402
 from utils.errors import UserError  # noqa: E402
 from utils.launch import launch_config  # noqa: E402
 from utils.launch.launch_config import check_launch_config  # noqa: E402
+from utils.run.resume import resume_point  # noqa: E402
 
 
 def train(*args, **kwargs):
@@ -19,31 +21,36 @@ def train(*args, **kwargs):
     return run_alone(args, check=False, **kwargs)
 
 
+def assert_one_line_naming(error, *expected_words):
+    """In-process half of assert_clean_user_error: a UserError (which the scripts print as one `error:` line, without
+    a traceback: the launched test beside each shows it) whose message names the problem and the fix."""
+    message = " ".join(str(error).split())  # how utils/errors.py's exit_with_error prints it
+    for word in expected_words:
+        assert word in message, message
+
+
 @pytest.fixture
 def data(tmp_path):
     return make_synthetic_mnist(tmp_path / "data", num_train=64, num_test=32)
 
 
-def test_missing_data_dir(tmp_path):
-    out = tmp_path / "out"
-    proc = train("--data_dir", tmp_path / "nope", "--output_dir", out)
-    assert_clean_user_error(proc, "--data_dir", "no such directory")
-    assert not out.exists(), "nothing may be written for a run that never started"
+# load_mnist refuses these before anything is written (train_mnist's main loads the data before its first write):
+# the missing folder is launched (below, on two processes); the others are the same path, asked in-process.
 
 
 def test_data_dir_without_mnist_files(tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = train("--data_dir", tmp_path / "empty", "--output_dir", tmp_path / "out")
-    assert_clean_user_error(proc, "--data_dir", "train-images-idx3-ubyte", "MNIST/raw")
-    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError) as err:
+        load_mnist(tmp_path / "empty")
+    assert_one_line_naming(err.value, "--data_dir", "train-images-idx3-ubyte", "MNIST/raw")
 
 
-def test_corrupt_idx_file(data, tmp_path):
+def test_corrupt_idx_file(data):
     target = data / "t10k-images-idx3-ubyte.gz"
     target.write_bytes(target.read_bytes()[:200])  # a download that stopped half-way
-    proc = train("--data_dir", data, "--output_dir", tmp_path / "out")
-    assert_clean_user_error(proc, str(target), "not a valid MNIST IDX file")
-    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError) as err:
+        load_mnist(data)
+    assert_one_line_naming(err.value, str(target), "not a valid MNIST IDX file")
 
 
 @pytest.mark.parametrize("flag, value, words", [
@@ -75,11 +82,11 @@ def test_a_librarys_error_is_cut_to_its_first_line_or_named_by_its_type():
     assert first_line(OSError("x" * 500)) == "x" * 200
 
 
-def test_offline_without_data_dir_names_the_flag(tmp_path):
+def test_offline_without_data_dir_names_the_flag():
     # conftest sets HF_HUB_OFFLINE=1 and an empty HF_HOME: the Hub cannot be reached.
-    proc = train("--output_dir", tmp_path / "out")
-    assert_clean_user_error(proc, "ylecun/mnist", "--data_dir")
-    assert not (tmp_path / "out").exists()
+    with pytest.raises(UserError) as err:
+        load_mnist(None)  # what main loads without --data_dir
+    assert_one_line_naming(err.value, "ylecun/mnist", "--data_dir")
 
 
 def test_eval_only_needs_a_checkpoint(capsys):
@@ -89,9 +96,14 @@ def test_eval_only_needs_a_checkpoint(capsys):
     assert "--eval_only needs --resume_from_checkpoint" in line
 
 
-def test_resume_from_missing_checkpoint(data, tmp_path):
-    proc = train("--data_dir", data, "--resume_from_checkpoint", tmp_path / "step_9", "--output_dir", tmp_path / "out")
-    assert_clean_user_error(proc, "step_9", "no such folder")
+# resume_point refuses these before anything is written (main asks it first, before the data): the damaged checkpoint
+# is launched; the others are the same path, asked in-process.
+
+
+def test_resume_from_missing_checkpoint(tmp_path):
+    with pytest.raises(UserError) as err:
+        resume_point(str(tmp_path / "step_9"), str(tmp_path / "out"))
+    assert_one_line_naming(err.value, "step_9", "no such folder")
     assert not (tmp_path / "out").exists()
 
 
@@ -107,11 +119,11 @@ def test_resume_from_corrupt_checkpoint(data, tmp_path):
     assert not (tmp_path / "out2").exists()
 
 
-def test_resume_from_folder_that_is_not_a_checkpoint(data, tmp_path):
+def test_resume_from_folder_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "random_folder").mkdir()
-    proc = train("--data_dir", data, "--resume_from_checkpoint", tmp_path / "random_folder",
-                 "--output_dir", tmp_path / "out")
-    assert_clean_user_error(proc, "random_folder", "not a complete checkpoint")
+    with pytest.raises(UserError) as err:
+        resume_point(str(tmp_path / "random_folder"), str(tmp_path / "out"))
+    assert_one_line_naming(err.value, "random_folder", "not a complete checkpoint")
 
 
 def test_unwritable_output_dir(data, tmp_path):
@@ -141,9 +153,12 @@ def test_more_processes_than_gpus_is_caught(data, tmp_path):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
-def test_errors_through_the_launcher_with_two_processes(tmp_path):
-    proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", tmp_path / "out"], num_processes=2, check=False)
+def test_missing_data_dir_through_the_launcher_with_two_processes(tmp_path):
+    """Launched as users do, on two processes, each printing the same one line."""
+    out = tmp_path / "out"
+    proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", out], num_processes=2, check=False)
     assert_clean_user_error(proc, "--data_dir", "no such directory")
+    assert not out.exists(), "nothing may be written for a run that never started"
 
 
 @pytest.mark.parametrize("text, words", [
