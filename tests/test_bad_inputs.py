@@ -8,7 +8,8 @@ import tarfile
 
 import numpy as np
 import pytest
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, run
+from helpers import (REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, run,
+                     run_alone)
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
@@ -111,15 +112,19 @@ def test_fewer_images_than_one_global_batch_stop_before_writing(images, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-# Decoded in the main process; in a DataLoader worker on one of two processes, whose partner stops with a note.
+# Decoded in the main process (the script alone: what it prints is the same under a launcher, which the other case
+# shows); in a DataLoader worker on one of two launched processes, whose partner stops with a note.
 @pytest.mark.parametrize("num_workers, num_processes", [("0", 1), ("1", 2)])
 def test_a_corrupt_image_names_its_file(tmp_path, num_workers, num_processes):
     folder = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=2)
     broken = sorted((folder / "train").rglob("*.png"))[3]
     broken.write_bytes(broken.read_bytes()[:60])  # truncated: a valid PNG header, then nothing
     flags = [f if f != "0" else num_workers for f in SMALL]
-    proc = launch(["--data_dir", folder, "--output_dir", tmp_path / "out", *flags], num_processes=num_processes,
-                  script=CLASSIFIER, check=False)
+    script_args = ["--data_dir", folder, "--output_dir", tmp_path / "out", *flags]
+    if num_processes == 1:
+        proc = run_alone(script_args, script=CLASSIFIER, check=False)
+    else:
+        proc = launch(script_args, num_processes=num_processes, script=CLASSIFIER, check=False)
     assert_clean_user_error(proc, broken.name, "cannot be decoded", "replace it with a good copy, or delete it")
     # issue 29: the line named --resume_from_checkpoint latest, though this run saved no checkpoint
     assert "checkpoint" not in error_lines(proc)[0]
@@ -222,8 +227,10 @@ def test_webdataset_shards_mixing_jpg_and_png_are_one_line(tmp_path):
     assert "a sample has no image in the image column; webdataset shards must" in str(err.value), err.value
     apart = {"train-00000": ["jpg"] * 8, "train-00001": ["png"] * 8, "test-00000": ["jpg"] * 4}
     write_shards(tmp_path / "apart", apart)
-    proc = launch(["--streaming", "--dataset", tmp_path / "apart", "--label_column", "cls", "--max_steps", "8",
-                   "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16",
-                   "--batch_size", "2", "--optimizer", "adamw", "--num_workers", "1"], script=CLASSIFIER, check=False)
+    # the script alone (test_a_corrupt_image_names_its_file launches a worker's error on two processes)
+    proc = run_alone(["--streaming", "--dataset", tmp_path / "apart", "--label_column", "cls", "--max_steps", "8",
+                      "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn", "--image_size",
+                      "16", "--batch_size", "2", "--optimizer", "adamw", "--num_workers", "1"], script=CLASSIFIER,
+                     check=False)
     assert_clean_user_error(proc, "a sample has no image in the image column", "under one extension")
     assert "Original Traceback" not in proc.stdout + proc.stderr
