@@ -66,8 +66,19 @@ def test_the_folder_has_a_config_per_topology():
             ("MULTI_GPU", False, True), ("FSDP", False, False)} <= kinds
 
 
-# slurm_cpu.yaml is launched by tests/test_slurm.py inside a real Slurm job.
-@pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if read(n).get("use_cpu") and "slurm" not in n])
+# CPU configs launched by another test, in a run it makes anyway, which asserts the same of it: not launched again here.
+LAUNCHED_BY_ANOTHER_TEST = {
+    "slurm_cpu.yaml": "tests/test_slurm.py, inside a real Slurm job",
+    "cpu.yaml": "tests/test_topologies.py::test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints",
+}
+
+
+def test_the_cpu_configs_launched_by_another_test_are_cpu_configs():
+    assert {n for n in ALL_CONFIGS if read(n).get("use_cpu")} >= set(LAUNCHED_BY_ANOTHER_TEST)
+
+
+@pytest.mark.parametrize("name", [n for n in ALL_CONFIGS if read(n).get("use_cpu")
+                                  and n not in LAUNCHED_BY_ANOTHER_TEST])
 def test_cpu_configs_form_the_process_group_they_promise(name, tmp_path):
     data = make_synthetic_mnist(tmp_path / "data", num_train=256, num_test=101)
     out = tmp_path / "out"

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+import yaml
 from helpers import REPO, TRAIN_MNIST, free_consecutive_ports, load_script, results, run, wait_for_path
 
 from utils.errors import UserError
@@ -228,6 +229,9 @@ def test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints(sy
     assert "Resumed from" in log and f"{trial / 'step_'}" in log, log[-3000:]
     r = results(trial)
     assert r["learning_rate"] == 0.01 and r["num_processes"] == 1 and r["eval_samples"] == 203
+    # cpu.yaml forms the process group it promises (tests/test_configs.py's claim for it, not launched there again)
+    assert r["num_processes"] == yaml.safe_load((CONFIG_DIR / "cpu.yaml").read_text()).get("num_processes", 1)
+    assert len(r["parameter_fingerprints"]) == 1
     assert [cell.strip() for cell in again.stdout.strip().splitlines()[-1].strip("|").split("|")][-1] == "ok"
     # and once finished, it is done
     assert run(cmd, timeout=60).stdout.count("done before") == 1
