@@ -8,8 +8,7 @@ import tarfile
 
 import numpy as np
 import pytest
-from helpers import (REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, run,
-                     run_alone)
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, error_lines, launch, load_script, run, run_alone
 from image_data import make_split_image_folder
 
 from utils.errors import UserError
