@@ -23,7 +23,7 @@ def train(*args, **kwargs):
 
 def assert_one_line_naming(error, *expected_words):
     """In-process half of assert_clean_user_error: a UserError (which the scripts print as one `error:` line, without
-    a traceback: the launched test beside each shows it) whose message names the problem and the fix."""
+    a traceback: the process-running test of the same path shows it) whose message names the problem and the fix."""
     message = " ".join(str(error).split())  # how utils/errors.py's exit_with_error prints it
     for word in expected_words:
         assert word in message, message
@@ -34,8 +34,9 @@ def data(tmp_path):
     return make_synthetic_mnist(tmp_path / "data", num_train=64, num_test=32)
 
 
-# load_mnist refuses these before anything is written (train_mnist's main loads the data before its first write):
-# the missing folder is launched (below, on two processes); the others are the same path, asked in-process.
+# load_mnist refuses these before anything is written (train_mnist's main loads the data before its first write): the
+# missing folder is launched (test_missing_data_dir_through_the_launcher_with_two_processes: one line, nothing
+# written); the others are the same path, asked in-process.
 
 
 def test_data_dir_without_mnist_files(tmp_path):
@@ -97,7 +98,7 @@ def test_eval_only_needs_a_checkpoint(capsys):
 
 
 # resume_point refuses these before anything is written (main asks it first, before the data): the damaged checkpoint
-# is launched; the others are the same path, asked in-process.
+# runs the script (below), one line and nothing written; the others are the same path, asked in-process.
 
 
 def test_resume_from_missing_checkpoint(tmp_path):
