@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from helpers import REPO, launch, results
+from helpers import REPO, launch, results, run_alone
 from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
@@ -85,11 +85,12 @@ def test_best_holds_the_best_epochs_plain_weights_and_eval_only_evaluates_them(e
     best, final = load_file(out / "best" / "model.safetensors"), load_file(out / "model.safetensors")
     assert best.keys() == final.keys() and not any(k.startswith(("module.", "_orig_mod.")) for k in best)
     assert json.loads((out / "best" / "training_state.json").read_text())["best_epoch"] == r["best_epoch"]
-    # evaluated alone, on another process count, best/ gives the accuracy it was kept for
+    # evaluated alone, on another process count, best/ gives the accuracy it was kept for (one process without the
+    # launcher around it: a launcher process fewer; launched --eval_only runs: test_train_mnist.py)
     eval_out = tmp_path / "eval"
     eval_out.mkdir()
     (eval_out / "best").symlink_to(out / "best")
-    launch(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
+    run_alone(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
     evaluated = json.loads((eval_out / "eval_results.json").read_text())  # --eval_only's own file
     assert evaluated["eval_accuracy"] == r["best_eval_accuracy"]
     assert evaluated["checkpoint_epochs_done"] == r["best_epoch"] + 1 and evaluated["run"]["epochs"] == 12
