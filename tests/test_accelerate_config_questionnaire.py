@@ -104,13 +104,30 @@ def answer_questionnaire(answers, config_file, hf_home):
     return yaml.safe_load(config_file.read_text())
 
 
+@pytest.fixture(scope="module")
+def questionnaire(tmp_path_factory):
+    """answer(name, answers): the YAML the questionnaire wrote for `answers`, each name answered once per module (every
+    `accelerate config` is a process importing accelerate and torch): cpu_2proc.yaml's answers serve both the
+    comparison with ours and the launch that counts its processes."""
+    root, written = tmp_path_factory.mktemp("questionnaire"), {}
+
+    def answer(name, answers):
+        if name not in written:
+            path = root / f"{name.removesuffix('.yaml')}.yaml"
+            answer_questionnaire(answers, path, root / f"{name}-hf_home")
+            written[name] = path
+        return written[name]
+
+    return answer
+
+
 def test_table_covers_the_main_topologies():
     assert {"cpu.yaml", "cpu_2proc.yaml", "single_gpu.yaml", "multi_gpu.yaml", "multi_node.yaml"} <= set(TABLE)
 
 
 @pytest.mark.parametrize("config", sorted(TABLE))
-def test_questionnaire_answers_write_our_yaml(config, tmp_path):
-    written = answer_questionnaire(TABLE[config], tmp_path / "written.yaml", tmp_path / "hf_home")
+def test_questionnaire_answers_write_our_yaml(config, questionnaire):
+    written = yaml.safe_load(questionnaire(config, TABLE[config]).read_text())
     ours = yaml.safe_load((REPO / "accelerate_configs" / config).read_text())
     assert set(ours) - set(written) <= ONLY_OURS, f"{config}: the questionnaire never writes {set(ours) - set(written)}"
     for key, value in ours.items():
@@ -122,7 +139,7 @@ def test_questionnaire_answers_write_our_yaml(config, tmp_path):
         assert written[key] == value, f"{config}: {key} is {written[key]!r} from the questionnaire, {value!r} in ours"
 
 
-def test_two_cpu_processes_come_from_the_guides_answers_not_from_multi_cpu(tmp_path):
+def test_two_cpu_processes_come_from_the_guides_answers_not_from_multi_cpu(questionnaire, tmp_path):
     """The guide's answers for cpu_2proc.yaml (multi-GPU) start two processes in one group when the script asks for the
     CPU (--cpu: Accelerator(cpu=True)), on a machine without GPUs too; the multi-CPU answer starts one."""
     probe = tmp_path / "probe.py"
@@ -131,9 +148,7 @@ def test_two_cpu_processes_come_from_the_guides_answers_not_from_multi_cpu(tmp_p
                      "import sys\nsys.stdout.write(f'processes: {accelerator.num_processes}\\n')\n"
                      "accelerator.end_training()\n")
     counts = {}
-    for name, answers in (("guide", TABLE["cpu_2proc.yaml"]), ("multi_cpu", MULTI_CPU_ANSWERS)):
-        written = tmp_path / f"{name}.yaml"
-        answer_questionnaire(answers, written, tmp_path / "hf_home")
-        proc = run([*launcher_args(config_file=written), probe], cwd=tmp_path, timeout=240)
+    for name, answers in (("cpu_2proc.yaml", TABLE["cpu_2proc.yaml"]), ("multi_cpu", MULTI_CPU_ANSWERS)):
+        proc = run([*launcher_args(config_file=questionnaire(name, answers)), probe], cwd=tmp_path, timeout=240)
         counts[name] = sorted(line for line in proc.stdout.splitlines() if line.startswith("processes:"))
-    assert counts == {"guide": ["processes: 2", "processes: 2"], "multi_cpu": ["processes: 1"]}
+    assert counts == {"cpu_2proc.yaml": ["processes: 2", "processes: 2"], "multi_cpu": ["processes: 1"]}

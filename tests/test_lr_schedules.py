@@ -1,14 +1,15 @@
-"""--lr_scheduler_type and --warmup_steps/--warmup_epochs (issue 23): each schedule's shape, step by step, and in
-real runs of both scripts the schedule counted in optimizer steps (2 processes, gradient accumulation), ending
-where its shape says, recorded in run.json."""
+"""--lr_scheduler_type and --warmup_steps/--warmup_epochs (issue 23): each schedule's shape, step by step, here. In
+real runs of both scripts, the schedule counted in optimizer steps (2 processes), where its shape says, recorded in
+run.json, is checked on launches other modules make anyway (two launches fewer): train_mnist.py's onecycle with
+--warmup_steps and gradient accumulation on test_training_features.py's early-stopped run
+(test_train_mnist_counts_the_schedule_in_optimizer_steps), train_image_classifier.py's step schedule ending at a
+hundredth on test_gradient_checkpointing.py's DDP pair (test_train_image_classifier_step_schedule_ends_at_a_hundredth)."""
 
-import json
 import math
 
 import pytest
 import torch
-from helpers import REPO, launch, load_script, make_synthetic_mnist, results
-from image_data import make_split_image_folder
+from helpers import REPO, load_script
 
 from utils.launch.flags import LR_SCHEDULER_TYPES
 from utils.run.optim import build_lr_scheduler, build_optimizer
@@ -18,8 +19,9 @@ CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PEAK, TOTAL = 0.5, 40
 
 
-def learning_rates(name, warmup_steps=None, warmup_epochs=None, steps_per_epoch=10, total=TOTAL) -> list:
-    """The learning rate of each of `total` optimizer steps."""
+def learning_rates(name, warmup_steps=None, warmup_epochs=None, steps_per_epoch=10, total=TOTAL, after=False) -> list:
+    """The learning rate of each of `total` optimizer steps; `after`: and the rate after the last one (what a run's
+    results.json records as current_learning_rate)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=PEAK, momentum=0.9)
     plan = StepPlan(steps_per_epoch, max_steps=total)
     scheduler = build_lr_scheduler(optimizer, name, plan, warmup_steps, warmup_epochs)
@@ -28,7 +30,7 @@ def learning_rates(name, warmup_steps=None, warmup_epochs=None, steps_per_epoch=
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    return rates
+    return [*rates, optimizer.param_groups[0]["lr"]] if after else rates
 
 
 @pytest.mark.parametrize("name", [n for n in LR_SCHEDULER_TYPES if n != "onecycle"])
@@ -46,6 +48,7 @@ def test_each_shape_after_the_warmup():
     assert cosine[4 + 18] == pytest.approx(PEAK / 2)
     assert cosine[4 + 9] == pytest.approx(PEAK * (1 + math.cos(math.pi / 4)) / 2)
     assert linear[4 + 18] == pytest.approx(PEAK / 2) and linear[-1] == pytest.approx(PEAK / 36)
+    assert learning_rates("linear", warmup_steps=4, after=True)[-1] == 0.0  # exactly 0 once the run is done
     assert all(a >= b for a, b in zip(cosine[4:], cosine[5:])) and all(a > b for a, b in zip(linear[4:], linear[5:]))
     assert learning_rates("constant_with_warmup", warmup_steps=4)[4:] == pytest.approx([PEAK] * 36)
     step = learning_rates("step", warmup_steps=4)  # a tenth after each third of the 36 steps after the warmup
@@ -84,36 +87,3 @@ def test_the_optimizers_take_the_learning_rate_weight_decay_and_momentum_given()
     assert isinstance(adamw, torch.optim.AdamW)
     assert (adamw.param_groups[0]["lr"], adamw.param_groups[0]["weight_decay"]) == (1e-3, 0.05)
 
-
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory):
-    return make_synthetic_mnist(tmp_path_factory.mktemp("schedule_digits"))
-
-
-def test_train_mnist_counts_the_schedule_in_optimizer_steps(digits, tmp_path):
-    """96 samples, 2 processes x 6 x 2 accumulation steps: 4 optimizer steps per epoch, 8 in 2 epochs; linear decay
-    reaches exactly 0 after the last of them only if the schedule was sized and stepped in optimizer steps."""
-    out = tmp_path / "linear"
-    launch(["--data_dir", digits, "--output_dir", out, "--max_train_samples", "96", "--max_eval_samples", "32",
-            "--batch_size", "6", "--gradient_accumulation_steps", "2", "--epochs", "2",
-            "--lr_scheduler_type", "linear", "--warmup_steps", "2"], num_processes=2)
-    r = results(out)
-    assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 8
-    assert r["current_learning_rate"] == 0.0
-    run = json.loads((out / "run.json").read_text())
-    assert (run["lr_scheduler_type"], run["warmup_steps"], run["warmup_epochs"]) == ("linear", 2, None)
-
-
-def test_train_image_classifier_step_schedule_ends_at_a_hundredth(tmp_path):
-    """4 classes x 8 images = 32, 2 processes x 4 x 1: 4 steps per epoch, 12 in 3 epochs; 1 warmup epoch, then
-    a tenth after each third of the other 8 steps: the last step's rate is a hundredth of the peak."""
-    images = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=2)
-    out = tmp_path / "step"
-    launch(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn", "--image_size",
-            "16", "--num_workers", "0", "--batch_size", "4", "--epochs", "3", "--optimizer", "adamw",
-            "--learning_rate", "0.002", "--lr_scheduler_type", "step"], num_processes=2, script=CLASSIFIER)
-    r = results(out)
-    assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 12
-    # after 12 steps: 4 of warmup, then 8 more (3 * 8 // 8 = 3 thirds passed; the decay stops at a hundredth)
-    assert r["current_learning_rate"] == pytest.approx(0.002 / 100)
-    assert json.loads((out / "run.json").read_text())["lr_scheduler_type"] == "step"

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 import torch
-from helpers import REPO, launch, results
+from helpers import REPO, launch, results, run_alone
 from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
@@ -23,13 +23,16 @@ STEPS_PER_EPOCH = 640 // (2 * 16 * 2)  # synthetic_mnist: 640 samples; 2 process
 def early_stopped(synthetic_mnist, tmp_path_factory):
     """2 processes, clipping every step, the best accuracy kept, stopping once it stops improving (the synthetic
     digits reach 100% within a few epochs), profiled, logged to every tracker installed: TensorBoard, MLflow in a
-    local SQLite store, W&B offline (CI installs requirements-trackers.txt)."""
+    local SQLite store, W&B offline (CI installs requirements-trackers.txt). The schedule's flags are the defaults,
+    said (onecycle, 15% of 120 steps = 18 of warmup: the same rates bit for bit), for test_lr_schedules.py's claim
+    that run.json records them (one launch fewer)."""
     pytest.importorskip("mlflow", reason="MLflow is an optional install: pip install -r requirements-trackers.txt")
     out = tmp_path_factory.mktemp("early_stopped")
     store = f"sqlite:///{out.parent / (out.name + '-mlflow.db')}"
     proc = launch(["--data_dir", synthetic_mnist, "--output_dir", out, "--epochs", "12", "--batch_size", "16",
                    "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.001", "--metric_for_best",
-                   "eval_accuracy", "--early_stopping_patience", PATIENCE, "--profile", "--report_to", "all"],
+                   "eval_accuracy", "--early_stopping_patience", PATIENCE, "--profile", "--report_to", "all",
+                   "--lr_scheduler_type", "onecycle", "--warmup_steps", "18"],
                   num_processes=2, env={"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_DIR": str(out),
                                         "WANDB_SILENT": "true"})
     return out, proc.stdout + proc.stderr, store, synthetic_mnist
@@ -56,6 +59,24 @@ def test_early_stopping_stops_every_process_after_patience_epochs_without_improv
     assert r["global_step"] == epochs_trained * STEPS_PER_EPOCH and r["samples_seen"] == epochs_trained * 640
     assert r["eval_accuracy"] == accuracy[-1]  # the last epoch's, while best/ holds the best one
     assert len(set(r["parameter_fingerprints"])) == 1  # both processes stopped after the same epoch, in step
+
+
+def test_train_mnist_counts_the_schedule_in_optimizer_steps(early_stopped):
+    """(test_lr_schedules.py's claim, on this module's run.) 640 samples, 2 processes x 16 x 2 accumulation steps: 10
+    optimizer steps per epoch, 120 in the 12 epochs the schedule is sized for. The rate after the last step taken is
+    OneCycleLR's after as many steps of 120 (18 of warmup) only if the schedule was sized and stepped in optimizer
+    steps (sized in batches: 240)."""
+    out, _, _, _ = early_stopped
+    r = results(out)
+    run = json.loads((out / "run.json").read_text())
+    assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=run["learning_rate"], momentum=0.9)
+    recipe = torch.optim.lr_scheduler.OneCycleLR(optimizer, run["learning_rate"], 12 * STEPS_PER_EPOCH, pct_start=0.15)
+    for _ in range(r["global_step"]):
+        optimizer.step()
+        recipe.step()
+    assert r["current_learning_rate"] == recipe.get_last_lr()[0], (r["global_step"], r["current_learning_rate"])
+    assert (run["lr_scheduler_type"], run["warmup_steps"], run["warmup_epochs"]) == ("onecycle", 18, None)
 
 
 def test_gradients_are_clipped_once_per_optimizer_step_and_their_norms_logged(early_stopped):
@@ -85,11 +106,12 @@ def test_best_holds_the_best_epochs_plain_weights_and_eval_only_evaluates_them(e
     best, final = load_file(out / "best" / "model.safetensors"), load_file(out / "model.safetensors")
     assert best.keys() == final.keys() and not any(k.startswith(("module.", "_orig_mod.")) for k in best)
     assert json.loads((out / "best" / "training_state.json").read_text())["best_epoch"] == r["best_epoch"]
-    # evaluated alone, on another process count, best/ gives the accuracy it was kept for
+    # evaluated alone, on another process count, best/ gives the accuracy it was kept for (one process without the
+    # launcher around it: a launcher process fewer; launched --eval_only runs: test_train_mnist.py)
     eval_out = tmp_path / "eval"
     eval_out.mkdir()
     (eval_out / "best").symlink_to(out / "best")
-    launch(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
+    run_alone(["--data_dir", data, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best"])
     evaluated = json.loads((eval_out / "eval_results.json").read_text())  # --eval_only's own file
     assert evaluated["eval_accuracy"] == r["best_eval_accuracy"]
     assert evaluated["checkpoint_epochs_done"] == r["best_epoch"] + 1 and evaluated["run"]["epochs"] == 12

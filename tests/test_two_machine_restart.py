@@ -28,8 +28,9 @@ import time
 import psutil
 from helpers import REPO, TRAIN_MNIST, launcher_args, results
 
-# 640 samples / 16 per batch = 40 batches, 20 per process: 20 optimizer steps per epoch, 60 in all.
-TRAIN_ARGS = ["--epochs", "3", "--batch_size", "16", "--checkpointing_steps", "10",
+# 640 samples / 16 per batch = 40 batches, 20 per process: 20 optimizer steps per epoch, 40 in all (killed after
+# step 10, the restarted run resumes mid-epoch 0 and crosses an epoch boundary: a third epoch would only add work).
+TRAIN_ARGS = ["--epochs", "2", "--batch_size", "16", "--checkpointing_steps", "10",
               "--resume_from_checkpoint", "latest"]
 PORT = 29500  # a fresh namespace has every port free
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
@@ -115,8 +116,8 @@ def test_a_rank_killed_on_machine_1_restarts_both_machines_and_the_run_matches_t
     resumed, uninterrupted = results(out), results(reference_out)
     assert resumed["resumed_from"] is not None and "step_" in resumed["resumed_from"]
     assert resumed["num_processes"] == 2
-    assert resumed["global_step"] == uninterrupted["global_step"] == 3 * 20
-    assert resumed["samples_seen"] == uninterrupted["samples_seen"] == 3 * 640
+    assert resumed["global_step"] == uninterrupted["global_step"] == 2 * 20
+    assert resumed["samples_seen"] == uninterrupted["samples_seen"] == 2 * 640
     assert resumed["eval_samples"] == 203
     for key in ("parameter_fingerprints", "eval_accuracy", "eval_loss"):
         assert resumed[key] == uninterrupted[key], key
