@@ -285,7 +285,8 @@ def test_preempted_job_saved_at_the_signal_requeued_and_resumed_from_there(jobs,
     assert stopped, f"no checkpoint at the signal:\n{log[-3000:]}"
     step = int(stopped[1])
     assert STEPS_PER_EPOCH < step < 2 * STEPS_PER_EPOCH  # in the second epoch, where it was signalled
-    assert stopped[2] == str(output_dir / f"step_{step}") and f"Resumed from {stopped[2]}:" in second_run, second_run[-3000:]
+    assert stopped[2] == str(output_dir / f"step_{step}")
+    assert f"Resumed from {stopped[2]}:" in second_run, second_run[-3000:]
     assert_complete_run(results(output_dir), num_processes=2)  # step and sample counts continue across the requeues
     # the batch script's defaults: a checkpoint every epoch besides the ones at the signals
     assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1", "epoch_2"]
