@@ -206,7 +206,8 @@ def start_when_requeued(cluster, job_id, restarts: int, timeout=180) -> None:
     """Lift the 2 minutes Slurm holds a job requeued for the `restarts`th time (once the run before has ended on its
     nodes)."""
     deadline = time.monotonic() + timeout
-    while (fields := cluster.job_fields(job_id)).get("Restarts") != str(restarts) or fields.get("JobState") != "PENDING":
+    while ((fields := cluster.job_fields(job_id)).get("Restarts") != str(restarts)
+           or fields.get("JobState") != "PENDING"):
         if fields.get("JobState") in ENDED:  # ended without a requeue: the tests below say so
             return
         assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
