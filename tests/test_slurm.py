@@ -21,8 +21,9 @@ from utils.run.fsdp import BF16_ON_CPU
 
 SLURM_DIR = REPO / "scripts" / "slurm"
 SHELL_SCRIPTS = sorted(p.relative_to(REPO) for p in [*SLURM_DIR.glob("*.sbatch"), *SLURM_DIR.glob("*.sh")])
-NUM_TRAIN, NUM_TEST, BATCH_SIZE, EPOCHS = 1920, 101, 16, 2
-# 1,920 samples over 2 processes in batches of 16: 60 optimizer steps per epoch.
+NUM_TRAIN, NUM_TEST, BATCH_SIZE, EPOCHS = 1920, 101, 16, 3
+# 1,920 samples over 2 processes in batches of 16: 60 optimizer steps per epoch. Three epochs: each job is preempted
+# in its second epoch (USR1) and, requeued, in its third (SIGTERM only).
 STEPS_PER_EPOCH = math.ceil(NUM_TRAIN / (2 * BATCH_SIZE))
 
 
@@ -139,6 +140,12 @@ def first_checkpoint(output_dir) -> bool:
     return find_latest_checkpoint(output_dir) is not None
 
 
+def end_of_second_epoch(output_dir) -> bool:
+    """epoch_1 is the newest checkpoint: the requeued run is in its third epoch."""
+    latest = find_latest_checkpoint(output_dir)
+    return latest is not None and latest.name == "epoch_1"
+
+
 def usr1_to_batch_scripts(cluster, job_ids: dict) -> None:
     """What `--signal=B:USR1@120` sends before the time limit."""
     for job_id in job_ids.values():
@@ -195,10 +202,12 @@ def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=
     return cpus
 
 
-def start_when_requeued(cluster, job_id, timeout=180) -> None:
-    """Lift the 2 minutes Slurm holds a requeued job (once the run before has ended on its nodes)."""
+def start_when_requeued(cluster, job_id, restarts: int, timeout=180) -> None:
+    """Lift the 2 minutes Slurm holds a job requeued for the `restarts`th time (once the run before has ended on its
+    nodes)."""
     deadline = time.monotonic() + timeout
-    while (fields := cluster.job_fields(job_id)).get("Restarts") == "0" or fields.get("JobState") != "PENDING":
+    while ((fields := cluster.job_fields(job_id)).get("Restarts") != str(restarts)
+           or fields.get("JobState") != "PENDING"):
         if fields.get("JobState") in ENDED:  # ended without a requeue: the tests below say so
             return
         assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
@@ -211,38 +220,34 @@ def start_when_requeued(cluster, job_id, timeout=180) -> None:
 
 @pytest.fixture(scope="module")
 def jobs(cluster, data, tmp_path_factory):
-    """Both batch scripts at once, on the same data, with their default flags: one node
-    with 2 GPUs, two nodes with 1 GPU each; both preempted in their second epoch."""
+    """Both batch scripts at once, on the same data, with their default flags: one node with 2 GPUs, two nodes
+    with 1 GPU each. Each job is preempted twice: in its second epoch by USR1 (what `--signal=B:USR1@120` sends
+    before the time limit); requeued, in its third epoch by a cluster that sends no USR1 at preemption, only
+    SIGTERM (preempt_by_urgent_job); requeued again, it finishes. The two-node job asks for all CPUs of each node
+    (its two nodes share this machine's cores: one thread per process, or they spin against each other), and
+    after epoch_0 loses its training process on node2 (KillRankOnNode2): the launchers restart the processes of
+    both nodes, and USR1 stops these. One job per batch script for every test below: each run of a job starts
+    3 (one node) or 4 (two nodes) Python processes that import torch."""
     root = tmp_path_factory.mktemp("slurm_jobs")
-    job_ids = {
-        "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
-        "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes")),
-    }
-    preempt_mid_epoch(cluster, {name: (job_id, root / name) for name, job_id in job_ids.items()})
-    for job_id in job_ids.values():
-        start_when_requeued(cluster, job_id)
-    return {name: (root / name, job_id, finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
-
-
-@pytest.fixture(scope="module")
-def term_jobs(cluster, data, tmp_path_factory):
-    """Both batch scripts again, preempted in their second epoch by a cluster that sends no USR1
-    at preemption, only SIGTERM (preempt_by_urgent_job). The two-node job asks for all CPUs of
-    each node (its two nodes share this machine's cores: one thread per process, or they spin
-    against each other), and after epoch_0 loses its training process on node2 (KillRankOnNode2):
-    the launchers restart the processes of both nodes, and these are preempted."""
-    root = tmp_path_factory.mktemp("slurm_term_jobs")
     job_ids = {
         "one_node": submit(cluster, root, 2, "submit_multigpu.sbatch", script_args(data, root / "one_node")),
         "two_nodes": submit(cluster, root, 1, "submit_multinode.sbatch", script_args(data, root / "two_nodes"),
                             cpus_per_gpu=CPUS_PER_NODE, env={"OMP_NUM_THREADS": "1"}),
     }
-    cpus = preempt_mid_epoch(cluster, {name: (job_id, root / name) for name, job_id in job_ids.items()},
-                             preempt=preempt_by_urgent_job,
-                             ready={"two_nodes": KillRankOnNode2(lambda: job_log(root, job_ids["two_nodes"]))})
+    jobs = {name: (job_id, root / name) for name, job_id in job_ids.items()}
+    preempt_mid_epoch(cluster, jobs, ready={"two_nodes": KillRankOnNode2(lambda: job_log(root, job_ids["two_nodes"]))})
     for job_id in job_ids.values():
-        start_when_requeued(cluster, job_id)
-    return {name: (root / name, cpus[name], finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
+        start_when_requeued(cluster, job_id, restarts=1)
+    cpus = preempt_mid_epoch(cluster, jobs, preempt=preempt_by_urgent_job,
+                             ready=dict.fromkeys(job_ids, end_of_second_epoch))
+    for job_id in job_ids.values():
+        start_when_requeued(cluster, job_id, restarts=2)
+    return {name: (root / name, job_id, cpus[name], finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
+
+
+def runs(log) -> list:
+    """The job's log cut into its runs: [run 1, run 2, ...] (the batch script's first line of each says "run N")."""
+    return re.split(r", run \d+\b", log)[1:]
 
 
 def assert_complete_run(r, num_processes):
@@ -256,13 +261,13 @@ def assert_complete_run(r, num_processes):
 
 
 def test_multigpu_job_takes_its_process_count_from_the_allocation(jobs):
-    output_dir, _, log = jobs["one_node"]
+    output_dir, _, _, log = jobs["one_node"]
     assert_complete_run(results(output_dir), num_processes=2)  # --gpus-per-node=2
     assert ": 2 processes" in log
 
 
 def test_multinode_job_runs_one_machine_rank_per_node(jobs):
-    output_dir, job_id, log = jobs["two_nodes"]
+    output_dir, job_id, _, log = jobs["two_nodes"]
     assert_complete_run(results(output_dir), num_processes=2)  # 2 nodes x --gpus-per-node=1
     assert "2 nodes x 1 processes" in log
     # each srun task got its own rank, on its own node (not machine_rank 0 everywhere)
@@ -273,48 +278,51 @@ def test_multinode_job_runs_one_machine_rank_per_node(jobs):
 
 @pytest.mark.parametrize("name", ["one_node", "two_nodes"])
 def test_preempted_job_saved_at_the_signal_requeued_and_resumed_from_there(jobs, name):
-    output_dir, _, log = jobs[name]
-    assert "USR1" in log and ", run 2" in log, f"the job was not interrupted and requeued:\n{log[-3000:]}"
-    stopped = STOPPED_BY_SIGNAL.search(log)
+    """USR1, in the job's first run: its processes save, the job requeues itself and its second run resumes there."""
+    output_dir, _, _, log = jobs[name]
+    first_run, second_run, *_ = runs(log) + ["", ""]
+    assert "USR1" in first_run and second_run, f"the job was not interrupted and requeued:\n{log[-3000:]}"
+    stopped = STOPPED_BY_SIGNAL.search(first_run)
     assert stopped, f"no checkpoint at the signal:\n{log[-3000:]}"
     step = int(stopped[1])
-    assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH  # in the second epoch, where it was signalled
-    r = results(output_dir)
-    assert r["resumed_from"] == stopped[2] == str(output_dir / f"step_{step}")
-    assert_complete_run(r, num_processes=2)  # step and sample counts continue across the requeue
-    # the batch script's defaults: a checkpoint every epoch besides the one at the signal
-    assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1"]
+    assert STEPS_PER_EPOCH < step < 2 * STEPS_PER_EPOCH  # in the second epoch, where it was signalled
+    assert stopped[2] == str(output_dir / f"step_{step}")
+    assert f"Resumed from {stopped[2]}:" in second_run, second_run[-3000:]
+    assert_complete_run(results(output_dir), num_processes=2)  # step and sample counts continue across the requeues
+    # the batch script's defaults: a checkpoint every epoch besides the ones at the signals
+    assert sorted(p.name for p in output_dir.glob("epoch_*")) == ["epoch_0", "epoch_1", "epoch_2"]
 
 
 @pytest.mark.parametrize("name", ["one_node", "two_nodes"])
-def test_job_preempted_with_sigterm_only_requeues_itself_and_resumes(term_jobs, name):
-    """No USR1: the batch script, killed by that SIGTERM before, now traps it and requeues the job,
-    because scontrol shows it preempted (a user's scancel is not requeued)."""
-    output_dir, _, log = term_jobs[name]
-    assert "TERM: preempted" in log and ", run 2" in log and "USR1" not in log, log[-3000:]
-    stopped = STOPPED_BY_SIGNAL.search(log)
+def test_job_preempted_with_sigterm_only_requeues_itself_and_resumes(jobs, name):
+    """No USR1, in the job's second run: the batch script, killed by that SIGTERM before, now traps it and
+    requeues the job, because scontrol shows it preempted (a user's scancel is not requeued)."""
+    output_dir, _, _, log = jobs[name]
+    _, second_run, third_run, *_ = runs(log) + ["", "", ""]
+    assert "TERM: preempted" in second_run and third_run and "USR1" not in second_run, log[-3000:]
+    stopped = STOPPED_BY_SIGNAL.search(second_run)
     assert stopped, f"no checkpoint at the signal:\n{log[-3000:]}"
     step = int(stopped[1])
-    assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH
+    assert 2 * STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH  # in the third epoch, where it was preempted
     r = results(output_dir)
     assert r["resumed_from"] == stopped[2] == str(output_dir / f"step_{step}")
     assert_complete_run(r, num_processes=2)
 
 
-def test_multinode_launchers_restart_processes_after_a_rank_on_another_node_died(term_jobs):
+def test_multinode_launchers_restart_processes_after_a_rank_on_another_node_died(jobs):
     """--max_restarts with the c10d rendezvous across Slurm nodes: inside the job's first run both
     nodes' processes started again and resumed from epoch_0 (then the preemption stopped them)."""
-    output_dir, _, log = term_jobs["two_nodes"]
-    first_run = log.split(", run 2")[0]
+    output_dir, _, _, log = jobs["two_nodes"]
+    first_run = runs(log)[0]
     assert f"Resumed from {output_dir / 'epoch_0'}:" in first_run, first_run[-3000:]
 
 
 @pytest.mark.parametrize("name", ["one_node", "two_nodes"])
-def test_training_processes_are_bound_to_all_cpus_the_job_has_on_their_node(term_jobs, name):
+def test_training_processes_are_bound_to_all_cpus_the_job_has_on_their_node(jobs, name):
     """Slurm binds each job to its CPUs here (task/affinity). one_node: --cpus-per-gpu=1 with 2 GPUs;
     two_nodes: --cpus-per-gpu=CPUS_PER_NODE with 1 GPU per node. Before, srun ran each node's
     launcher with --cpus-per-task=1 and every process of the node shared one CPU."""
-    _, cpus, log = term_jobs[name]
+    _, _, cpus, log = jobs[name]
     every_cpu = os.sched_getaffinity(0)
     assert cpus == [every_cpu, every_cpu], cpus
     if name == "two_nodes":  # each node's srun task says where it runs
@@ -331,15 +339,15 @@ def cpu_set(cpu_list: str) -> set:
     return cpus
 
 
-def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs, term_jobs):
-    """Same world size, same data: neither the topology, nor where the requeue fell, nor USR1 or
-    SIGTERM, nor a killed rank changes a bit."""
+def test_preempted_one_node_and_two_node_jobs_end_bit_identical(jobs):
+    """Same world size, same data: neither the topology, nor where the requeues fell, nor USR1 and SIGTERM
+    preemptions, nor a killed rank (two_nodes only) changes a bit."""
     one = results(jobs["one_node"][0])
-    for other in (jobs["two_nodes"][0], term_jobs["one_node"][0], term_jobs["two_nodes"][0]):
-        r = results(other)
-        for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
-                    "global_step", "samples_seen"):
-            assert r[key] == one[key], (other, key)
+    other = jobs["two_nodes"][0]
+    r = results(other)
+    for key in ("parameter_fingerprints", "buffer_fingerprints", "eval_accuracy", "eval_loss", "train_loss",
+                "global_step", "samples_seen"):
+        assert r[key] == one[key], (other, key)
 
 
 def test_job_without_gpus_stops_with_one_clear_line(cluster, tmp_path):
