@@ -6,8 +6,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, launch, requires_mnist_10k, results,
-                     run)
+from helpers import MNIST_10K, REPO, assert_clean_user_error, requires_mnist_10k, results, run, run_alone
 from safetensors.torch import load_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
@@ -79,7 +78,9 @@ def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(synth
     # accelerate launch gives a CPU process one thread; so does this torchrun (float sums
     # depend on how many threads share them).
     torchrun(DDP, [*args, "--output_dir", tmp_path / "ddp"], nproc=1, env={"OMP_NUM_THREADS": "1"})
-    launch([*args, "--output_dir", tmp_path / "accelerate"], num_processes=1, script=TRAIN_MNIST)
+    # train_mnist.py on one process without accelerate launch (an Accelerator needs no launcher; the launched runs
+    # of it are in test_train_mnist.py): half the start-up cost
+    run_alone([*args, "--output_dir", tmp_path / "accelerate"], env={"OMP_NUM_THREADS": "1"})
     ddp, accelerate = results(tmp_path / "ddp"), results(tmp_path / "accelerate")
     assert ddp["parameter_fingerprints"] == accelerate["parameter_fingerprints"]
     assert ddp["global_step"] == accelerate["global_step"] == 2 * 40

@@ -18,6 +18,7 @@ from helpers import (
     requires_mnist_10k,
     results,
     run,
+    run_alone,
 )
 from safetensors.torch import load_file
 
@@ -102,7 +103,9 @@ def test_both_scripts_hold_the_collections_convnet():
 
 
 def test_a_folder_without_the_data_ends_with_one_line(tmp_path):
-    proc = launch(["--data_dir", tmp_path, "--output_dir", tmp_path / "out"], script=MINIMAL, check=False)
+    # plain python: the script reads its data on one process as on several, and the refusals above go through
+    # accelerate launch
+    proc = run_alone(["--data_dir", tmp_path, "--output_dir", tmp_path / "out"], script=MINIMAL, check=False)
     assert_clean_user_error(proc, "train-images-idx3-ubyte.gz", "--data_dir")
     assert not (tmp_path / "out").exists()
 
@@ -116,7 +119,9 @@ def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("minimal")
     common = ["--data_dir", MNIST_10K, "--epochs", "1", "--gradient_accumulation_steps", "2", "--cpu"]
     run([sys.executable, PLAIN, *common, "--output_dir", out / "plain"], env=ONE_THREAD)
-    launch([*common, "--output_dir", out / "accelerate"], script=MINIMAL, env=ONE_THREAD)
+    # plain python too, as a user may run it (an Accelerator needs no launcher), half the start-up cost of accelerate
+    # launch, which the two-process test goes through
+    run([sys.executable, MINIMAL, *common, "--output_dir", out / "accelerate"], env=ONE_THREAD)
     return out
 
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, free_port, launch, launcher_args, requires_mnist_10k, run
+from helpers import MNIST_10K, REPO, free_port, launch, launcher_args, requires_mnist_10k, run, run_alone
 from safetensors.torch import load_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
@@ -58,8 +58,12 @@ def run_before(num_processes, out, *args):
 
 
 def run_after(num_processes, out, *args):
-    return launch([*TRAIN, "--checkpoint-dir", out, *args], num_processes=num_processes, script=AFTER,
-                  env=ONE_THREAD).stdout
+    """One process: plain python, as a user may run it (an Accelerator needs no launcher), half the start-up cost of
+    accelerate launch, which the two-process run goes through."""
+    script_args = [*TRAIN, "--checkpoint-dir", out, *args]
+    if num_processes == 1:
+        return run_alone(script_args, script=AFTER, env=ONE_THREAD).stdout
+    return launch(script_args, num_processes=num_processes, script=AFTER, env=ONE_THREAD).stdout
 
 
 def printed(stdout) -> dict:
@@ -95,7 +99,7 @@ def assert_equal_state(a, b):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two epochs of each script on 1 process and on 2, and on 1 process each again as 1 epoch + a resume
-    for the second: 8 launches, printed output and checkpoint folder of each."""
+    for the second: 8 runs, printed output and checkpoint folder of each."""
     out = tmp_path_factory.mktemp("conversion")
     results = {}
     for name, train, processes in (("before", run_before, 1), ("after", run_after, 1),
