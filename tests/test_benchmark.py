@@ -266,8 +266,7 @@ def test_every_model_flag_is_checked_for_the_other_model(capsys):
 
 
 def rank_of(output_dir, job, rank: int):
-    """The process of `rank` in the job writing into `output_dir`, as soon as it exists. Rank 1 stopped then leaves
-    rank 0 waiting in the process group's set-up or a collective of training, depending on how far it got."""
+    """The process of `rank` in the job writing into `output_dir`, as soon as it exists."""
     deadline = time.monotonic() + 120
     while True:
         assert job.poll() is None, "the job ended before its processes were found"
@@ -275,6 +274,21 @@ def rank_of(output_dir, job, rank: int):
         found = [p for p in training_processes(output_dir) if p.environ().get("RANK") == str(rank)]
         if found:
             return found[0]
+        time.sleep(0.1)
+
+
+def wait_for_the_group(rank_0, rank_1, job):
+    """Until gloo has connected the two ranks to each other (a TCP connection between their processes, besides
+    each one's to the launcher's store): both are past their start-up, which under load takes longer than the
+    timeout itself, and rank 1 stopped from then on leaves rank 0 waiting in a collective."""
+    deadline = time.monotonic() + 120
+    while True:
+        assert job.poll() is None, "the job ended before its two ranks connected"
+        assert time.monotonic() < deadline, "the two ranks not connected after 120 s"
+        ends_0 = {(c.laddr, c.raddr) for c in rank_0.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED}
+        ends_1 = {(c.raddr, c.laddr) for c in rank_1.net_connections("tcp") if c.status == psutil.CONN_ESTABLISHED}
+        if ends_0 & ends_1:
+            return
         time.sleep(0.1)
 
 
@@ -296,6 +310,7 @@ def test_accelerate_method_honours_ddp_timeout(synthetic_mnist, tmp_path):
     try:
         stopped = rank_of(out, job, 1)
         rank_0 = rank_of(out, job, 0)
+        wait_for_the_group(rank_0, stopped, job)
         stopped.send_signal(signal.SIGSTOP)  # a frozen process: alive, but never answering
         since = time.monotonic()
         try:
