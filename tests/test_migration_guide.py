@@ -9,7 +9,8 @@ Marker convention, on the line before a ```python fence (every Python block need
                                            horovod.torch` loads a stand-in of Horovod over torch.distributed
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
-break a launched job (the environment variables to delete) are compile-only and launched by their own test.
+break a launched job (the environment variables to delete) are compile-only; their test launches them in front of a
+script, as it launches the snippets changed to show what the text says goes wrong without a line (a Case below).
 
 A before/after pair written as two snippets adds ` | pair: NAME before` (or `after`) and ` | compare: VAR, VAR`
 to both markers, e.g. `<!-- runnable: torchrun 2 | pair: sharding before | compare: train_epochs, eval_samples -->`.
@@ -137,7 +138,7 @@ class Case:
     """A test's variant of the guide's snippets, run in its launcher's batch after the snippets, in a process per rank
     forked as a snippet's is, so that it fails as it would alone (snippet_batch.py). own_group: its own MASTER_PORT
     and store, as a snippet; False: the launcher's rendezvous store and port, as a script launched alone has them
-    (one case per batch at most, since the store keeps the keys of a group)."""
+    (at most one case of a batch may form its group there: the store keeps the keys of the first)."""
     launcher: str
     code: object  # the script, or a function returning it, called when its batch runs
     own_group: bool = True
@@ -231,12 +232,29 @@ def outcome_in(folder, processes: int):
 
 
 @pytest.fixture(scope="module")
-def snippet_outcome(tmp_path_factory):
-    """outcome(marker, code): run the snippet's launcher's batch the first time one of its snippets is asked for."""
+def batch(tmp_path_factory):
+    """batch(launcher): run the launcher's batch the first time one of its snippets or cases is asked for (a launch
+    that failed fails each of them)."""
+    def run_once(launcher):
+        if launcher not in BATCH_FAILURES:
+            try:
+                BATCH_FAILURES[launcher] = None
+                run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+            except Exception as failure:  # the launch exited non-zero, or ran past its time
+                BATCH_FAILURES[launcher] = failure
+        if BATCH_FAILURES[launcher] is not None:
+            raise BATCH_FAILURES[launcher]
+    return run_once
+
+
+BATCH_FAILURES = {}  # launcher -> None, or why its launch failed
+
+
+@pytest.fixture(scope="module")
+def snippet_outcome(batch):
+    """outcome(marker, code): the snippet's compared values; its failure raised."""
     def outcome(marker, code):
-        if code not in OUTCOMES:
-            launcher = BATCHED_WITH.get(marker, marker)
-            run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+        batch(BATCHED_WITH.get(marker, marker))
         if isinstance(OUTCOMES[code], AssertionError):
             raise OUTCOMES[code]
         return OUTCOMES[code]
@@ -244,12 +262,10 @@ def snippet_outcome(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def case_ran(tmp_path_factory):
-    """ran(name) -> Ran: the case's batch runs the first time one of its snippets or cases is asked for."""
+def case_ran(batch):
+    """ran(name) -> Ran: what the case's processes did."""
     def ran(name):
-        if name not in RAN:
-            launcher = CASES[name].launcher
-            run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+        batch(CASES[name].launcher)
         return RAN[name]
     return ran
 
