@@ -1,14 +1,17 @@
-"""Run the migration guide's snippets of one launcher, each in its own process, in one launch.
+"""Run the migration guide's snippets of one launcher (and the tests' variants of them), each in its own process,
+in one launch.
 
-usage: snippet_batch.py MANIFEST.json   (as the script of `python`, `accelerate launch` or torchrun)
+usage: snippet_batch.py [ARGS...] MANIFEST.json   (as the script of `python`, `accelerate launch` or torchrun)
 
 tests/test_migration_guide.py launches this once per launcher instead of once per snippet: each launched
 process imports torch and Accelerate once (5 s of CPU on a small machine, most of a short snippet's run), then
-forks one child per snippet, in the manifest's order. A child runs its snippet as `python snippet.py`
-would: as __main__, in the snippet's folder, with its argv, its environment (its own MASTER_PORT, so the
-children of every rank form a group of their own), its output in that folder, and it ends as a process does
-(atexit handlers, the exit check of tests/exit_check). The parent writes the child's exit status beside them:
-exit_status_RANK, a negative number for a signal, "timeout" when it ran past the manifest's limit.
+forks one child per snippet, in the manifest's order. A child runs its snippet as `python snippet.py ARGS`
+would: as __main__, in the snippet's folder, with the arguments the launcher gave this batch before the manifest
+(torchrun and accelerate launch give none, torch.distributed.launch --local-rank=N), with its environment (the
+manifest's: mostly its own MASTER_PORT, so the children of every rank form a group of their own), its output in
+that folder, and it ends as a process does (atexit handlers, the exit check of tests/exit_check). The parent
+writes the child's exit status beside them: exit_status_RANK, a negative number for a signal, "timeout" when it
+ran past the manifest's limit.
 """
 
 import importlib
@@ -27,15 +30,15 @@ PRELOADED = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "to
              "accelerate", "accelerate.utils", "safetensors.torch"]
 
 
-def run_snippet(entry: dict, rank: str) -> None:
-    """In the child: become `python snippet.py` in the snippet's folder, and run it."""
+def run_snippet(entry: dict, rank: str, launcher_args: list) -> None:
+    """In the child: become `python snippet.py LAUNCHER_ARGS` in the snippet's folder, and run it."""
     os.chdir(entry["folder"])
     for descriptor, name in ((1, "stdout"), (2, "stderr")):
         with open(f"{name}_{rank}.txt", "w") as file:
             os.dup2(file.fileno(), descriptor)
     os.environ.update(entry["env"])
     sys.path[:0] = entry["path"]  # the Horovod stand-in, for this snippet only
-    sys.argv = [entry["snippet"]]
+    sys.argv = [entry["snippet"], *launcher_args]
     runpy.run_path(entry["snippet"], run_name="__main__")
 
 
@@ -52,7 +55,8 @@ def wait_for(pid: int, timeout: float) -> str:
 
 
 def main() -> int:
-    entries = json.loads(Path(sys.argv[1]).read_text())
+    *launcher_args, manifest = sys.argv[1:]
+    entries = json.loads(Path(manifest).read_text())
     rank = os.environ.get("RANK", "0")
     for module in PRELOADED:
         importlib.import_module(module)
@@ -63,7 +67,7 @@ def main() -> int:
         pid = os.fork()
         if pid == 0:
             # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
-            run_snippet(entry, rank)
+            run_snippet(entry, rank, launcher_args)
             return 0
         status = wait_for(pid, entry["timeout"])
         Path(entry["folder"], f"exit_status_{rank}").write_text(status)

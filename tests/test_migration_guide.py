@@ -9,7 +9,8 @@ Marker convention, on the line before a ```python fence (every Python block need
                                            horovod.torch` loads a stand-in of Horovod over torch.distributed
     <!-- compile-only: REASON -->          compile() only; REASON says what it needs (GPUs, apex, Horovod, Slurm)
 Runnable snippets run on the CPU in a temporary folder and must assert what the text claims. "Before" lines that
-break a launched job (the environment variables to delete) are compile-only and launched by their own test.
+break a launched job (the environment variables to delete) are compile-only; their test launches them in front of a
+script, as it launches the snippets changed to show what the text says goes wrong without a line (a Case below).
 
 A before/after pair written as two snippets adds ` | pair: NAME before` (or `after`) and ` | compare: VAR, VAR`
 to both markers, e.g. `<!-- runnable: torchrun 2 | pair: sharding before | compare: train_epochs, eval_samples -->`.
@@ -24,6 +25,7 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -121,67 +123,151 @@ with open(f"compared_{_os.environ.get('RANK', '0')}.json", "w") as _file:
 # the launched one (a launch per snippet cost 8-20 s of imports each); torchrun's batch runs the Horovod one too.
 BATCH = REPO / "tests" / "snippet_batch.py"
 BATCHED_WITH = {"runnable: horovod stand-in, torchrun 2": "runnable: torchrun 2"}
-PROCESSES = {"runnable": 1, "runnable: accelerate launch 2": 2, "runnable: torchrun 2": 2}
+# accelerate launch --num_processes 2 --cpu without --multi_gpu: its simple launcher starts one process
+ONE_OF_TWO = "accelerate launch --num_processes 2 --cpu, no --multi_gpu"
+BATCH_RUNNERS = {**RUNNERS, ONE_OF_TWO: lambda path: [
+    sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu", "--num_machines", "1",
+    "--mixed_precision", "no", "--dynamo_backend", "no", path]}
+PROCESSES = {"runnable": 1, "runnable: accelerate launch 2": 2, "runnable: torchrun 2": 2, ONE_OF_TWO: 1}
 OUTCOMES = {}  # code -> {rank: {variable: value}}, or the AssertionError saying why the snippet failed
 SNIPPET_TIMEOUT = 240
 
 
+@dataclass
+class Case:
+    """A test's variant of the guide's snippets, run in its launcher's batch after the snippets, in a process per rank
+    forked as a snippet's is, so that it fails as it would alone (snippet_batch.py). own_group: its own MASTER_PORT
+    and store, as a snippet; False: the launcher's rendezvous store and port, as a script launched alone has them
+    (at most one case of a batch may form its group there: the store keeps the keys of the first)."""
+    launcher: str
+    code: object  # the script, or a function returning it, called when its batch runs
+    own_group: bool = True
+
+
+@dataclass
+class Ran:
+    """What a case's processes did: by rank, the exit status ("0", "1", "-6", "timeout"), stdout and stderr; the
+    gloo threads the exit check found alive at their exits; the script they ran, and its path."""
+    status: list
+    stdout: list
+    stderr: list
+    threads_left: list
+    code: str
+    script: str
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.stdout + self.stderr)
+
+    @property
+    def succeeded(self) -> bool:
+        return all(status == "0" for status in self.status)
+
+
+CASES = {}  # name -> Case, filled where each test is defined
+RAN = {}  # name -> Ran
+
+
+def batch_entry(folder: Path, marker: str, code: str, port: int, own_group: bool = True) -> dict:
+    """folder/snippet.py and what snippet_batch.py needs to run it."""
+    folder.mkdir()
+    snippet = folder / "snippet.py"
+    snippet.write_text(code)
+    path = [RUNNER_ENV[marker]["PYTHONPATH"]] if marker in RUNNER_ENV else []
+    env = {
+        # a gloo worker thread left alive at a snippet's exit fails it ("Ending a run cleanly")
+        "EXIT_CHECK_DIR": str(folder / "exit_check"),
+        "PYTHONPATH": os.pathsep.join([*path, str(EXIT_CHECK)]),
+    }
+    if own_group:  # its own port: for its group, and for mp.spawn and notebook_launcher, which otherwise take 29500
+        env.update({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    (folder / "exit_check").mkdir()
+    return {"folder": str(folder), "snippet": str(snippet), "env": env, "path": path, "timeout": SNIPPET_TIMEOUT}
+
+
 def run_batch(launcher: str, folder) -> None:
-    """Run every runnable snippet of this launcher in one launch; record each one's outcome in OUTCOMES."""
+    """Run every runnable snippet of this launcher, then its cases, in one launch; record each snippet's outcome in
+    OUTCOMES, each case's in RAN."""
     snippets = [p.values for p in RUNNABLE if BATCHED_WITH.get(p.values[0], p.values[0]) == launcher]
-    first_port = free_consecutive_ports(len(snippets))
+    cases = [(name, case) for name, case in CASES.items() if case.launcher == launcher]
+    first_port = free_consecutive_ports(len(snippets) + len(cases))
     entries = []
     for index, (marker, code) in enumerate(snippets):
-        snippet_folder = folder / f"snippet_{index}"
-        snippet_folder.mkdir()
         variables = COMPARED_IN.get(code, [])
-        snippet = snippet_folder / "snippet.py"
-        snippet.write_text(code + (SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""))
-        path = [RUNNER_ENV[marker]["PYTHONPATH"]] if marker in RUNNER_ENV else []
-        env = {
-            # its own port: for its group, and for mp.spawn and notebook_launcher, which otherwise take 29500
-            "MASTER_PORT": str(first_port + index), "TORCHELASTIC_USE_AGENT_STORE": "False",
-            # a gloo worker thread left alive at a snippet's exit fails it ("Ending a run cleanly")
-            "EXIT_CHECK_DIR": str(snippet_folder / "exit_check"),
-            "PYTHONPATH": os.pathsep.join([*path, str(EXIT_CHECK)]),
-        }
-        (snippet_folder / "exit_check").mkdir()
-        entries.append({"folder": str(snippet_folder), "snippet": str(snippet), "env": env, "path": path,
-                        "timeout": SNIPPET_TIMEOUT})
+        code += SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""
+        entries.append(batch_entry(folder / f"snippet_{index}", marker, code, first_port + index))
+    for index, (name, case) in enumerate(cases, len(snippets)):
+        code = case.code() if callable(case.code) else case.code
+        entries.append(batch_entry(folder / name, launcher, code, first_port + index, case.own_group))
     manifest = folder / "manifest.json"
     manifest.write_text(json.dumps(entries))
-    run([*RUNNERS[launcher](BATCH), manifest], cwd=folder, timeout=SNIPPET_TIMEOUT * len(snippets),
+    run([*BATCH_RUNNERS[launcher](BATCH), manifest], cwd=folder, timeout=SNIPPET_TIMEOUT * len(entries),
         env={"OMP_NUM_THREADS": "1"})
     for (_, code), entry in zip(snippets, entries):
         OUTCOMES[code] = outcome_in(Path(entry["folder"]), PROCESSES[launcher])
+    for (name, _), entry in zip(cases, entries[len(snippets):]):
+        RAN[name] = ran_in(Path(entry["folder"]), PROCESSES[launcher])
+
+
+def ran_in(folder, processes: int) -> Ran:
+    def text(name):
+        return (folder / name).read_text() if (folder / name).exists() else ""
+    return Ran([text(f"exit_status_{rank}") or None for rank in range(processes)],
+               [text(f"stdout_{rank}.txt") for rank in range(processes)],
+               [text(f"stderr_{rank}.txt") for rank in range(processes)],
+               [path.read_text() for path in (folder / "exit_check").iterdir()],
+               text("snippet.py"), str(folder / "snippet.py"))
 
 
 def outcome_in(folder, processes: int):
     """A snippet's outcome from its folder: every process's compared values, or why it failed."""
-    for rank in range(processes):
-        status = (folder / f"exit_status_{rank}").read_text() if (folder / f"exit_status_{rank}").exists() else None
+    ran = ran_in(folder, processes)
+    for rank, status in enumerate(ran.status):
         if status != "0":
-            output = [(folder / f"{name}_{rank}.txt").read_text() for name in ("stdout", "stderr")
-                      if (folder / f"{name}_{rank}.txt").exists()]
-            return AssertionError(f"process {rank} of {processes} exited {status}\n" + "\n".join(
-                text[-4000:] for text in output))
-    threads_left = [path.read_text() for path in (folder / "exit_check").iterdir()]
-    if threads_left:
-        return AssertionError(threads_left_message(threads_left))
+            return AssertionError(f"process {rank} of {processes} exited {status}\n"
+                                  f"{ran.stdout[rank][-4000:]}\n{ran.stderr[rank][-4000:]}")
+    if ran.threads_left:
+        return AssertionError(threads_left_message(ran.threads_left))
     return {int(path.stem.split("_")[1]): json.loads(path.read_text()) for path in folder.glob("compared_*.json")}
 
 
 @pytest.fixture(scope="module")
-def snippet_outcome(tmp_path_factory):
-    """outcome(marker, code): run the snippet's launcher's batch the first time one of its snippets is asked for."""
+def batch(tmp_path_factory):
+    """batch(launcher): run the launcher's batch the first time one of its snippets or cases is asked for (a launch
+    that failed fails each of them)."""
+    def run_once(launcher):
+        if launcher not in BATCH_FAILURES:
+            try:
+                BATCH_FAILURES[launcher] = None
+                run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+            except Exception as failure:  # the launch exited non-zero, or ran past its time
+                BATCH_FAILURES[launcher] = failure
+        if BATCH_FAILURES[launcher] is not None:
+            raise BATCH_FAILURES[launcher]
+    return run_once
+
+
+BATCH_FAILURES = {}  # launcher -> None, or why its launch failed
+
+
+@pytest.fixture(scope="module")
+def snippet_outcome(batch):
+    """outcome(marker, code): the snippet's compared values; its failure raised."""
     def outcome(marker, code):
-        if code not in OUTCOMES:
-            launcher = BATCHED_WITH.get(marker, marker)
-            run_batch(launcher, tmp_path_factory.mktemp(re.sub(r"\W+", "_", launcher)))
+        batch(BATCHED_WITH.get(marker, marker))
         if isinstance(OUTCOMES[code], AssertionError):
             raise OUTCOMES[code]
         return OUTCOMES[code]
     return outcome
+
+
+@pytest.fixture(scope="module")
+def case_ran(batch):
+    """ran(name) -> Ran: what the case's processes did."""
+    def ran(name):
+        batch(CASES[name].launcher)
+        return RAN[name]
+    return ran
 
 
 @pytest.mark.parametrize("marker, code", RUNNABLE)
@@ -240,72 +326,97 @@ def test_pair_sides_agree(pair, snippet_outcome):
             same(common_values(before, variable, "before"), common_values(after, variable, "after"), f"{pair}: {variable}")
 
 
-def test_find_unused_parameters_snippet_needs_the_option(tmp_path):
-    """The guide says the two-head model fails without find_unused_parameters=True: it does."""
-    (marker, code), = [p.values for p in RUNNABLE if "Kwargs(find_unused_parameters=True" in p.values[1]]
-    snippet = tmp_path / "snippet.py"
-    snippet.write_text(code.replace("find_unused_parameters=True", "find_unused_parameters=False"))
-    proc = run(RUNNERS[marker](snippet), cwd=tmp_path, timeout=240, check=False)
-    assert proc.returncode != 0
-    assert "Expected to have finished reduction in the prior iteration" in proc.stdout + proc.stderr
-
-
 def the_snippet_with(text: str, blocks: list) -> str:
     (code,) = [p.values[-1] for p in blocks if text in p.values[-1]]
     return code
 
 
-def test_the_process_count_check_stops_a_launch_without_cpu(tmp_path):
-    """The guide's check: without --cpu on a machine without GPUs, two lone processes; the check stops them."""
-    if torch_cuda_available():
-        pytest.skip("this machine has GPUs: without --cpu the processes form one group")
-    code = the_snippet_with('if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1"))', RUNNABLE)
-    assert 'parser.parse_args(["--cpu"])' in code
-    script = tmp_path / "snippet.py"
-    script.write_text(code.replace('parser.parse_args(["--cpu"])', "parser.parse_args([])"))
-    proc = run([*launcher_args(2), script], cwd=tmp_path, timeout=240, check=False)
-    error = "error: 2 processes were launched but each runs alone; on a machine without GPUs add --cpu"
-    assert proc.returncode != 0 and proc.stderr.count(error) == 2, proc.stderr
-    assert 'File "' + str(script) not in proc.stderr  # sys.exit: no traceback through the script
+TWO_HEADS = the_snippet_with("Kwargs(find_unused_parameters=True", RUNNABLE)
+CASES["two_heads_without_find_unused"] = Case(
+    "runnable: accelerate launch 2", TWO_HEADS.replace("find_unused_parameters=True", "find_unused_parameters=False"))
 
 
-def test_the_process_count_check_stops_a_launch_without_multi_gpu(tmp_path):
-    """accelerate launch --num_processes 2 --cpu without --multi_gpu starts one process: without the guide's second
-    check it trains alone to the end, exit status 0; with it, it stops with one line."""
-    code = the_snippet_with('if "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:', RUNNABLE)
-    one_process = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    check_start = code.index('if "MASTER_ADDR" in os.environ')
-    check_end = code.index("\n", code.index("sys.exit(", check_start)) + 1
-    unchecked = code[:check_start] + code[check_end:]
-    unchecked = unchecked.replace("assert world_size == 2 and total.item() == 3.0", "print(f'world_size {world_size}')")
-    assert "world_size {world_size}" in unchecked
-    (tmp_path / "unchecked.py").write_text(unchecked)
-    proc = run([*one_process, tmp_path / "unchecked.py"], cwd=tmp_path, timeout=240)
-    assert "world_size 1" in proc.stdout  # the silent difference: one process, exit 0
-    (tmp_path / "snippet.py").write_text(code)
-    proc = run([*one_process, tmp_path / "snippet.py"], cwd=tmp_path, timeout=240, check=False)
-    error = "error: accelerate launch was asked for several processes but started one; add --multi_gpu to it"
-    assert proc.returncode != 0 and proc.stderr.count(error) == 1, proc.stderr
+def test_find_unused_parameters_snippet_needs_the_option(case_ran):
+    """The guide says the two-head model fails without find_unused_parameters=True: it does."""
+    assert "find_unused_parameters=False" in CASES["two_heads_without_find_unused"].code
+    ran = case_ran("two_heads_without_find_unused")
+    assert not ran.succeeded
+    assert "Expected to have finished reduction in the prior iteration" in ran.output
 
 
 def torch_cuda_available() -> bool:
-    return run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"]).stdout.strip() == "True"
+    import torch  # the test process imports it anyway: tests/test_image_recipes.py does at collection
+
+    return torch.cuda.is_available()
 
 
-def test_old_local_rank_parser_under_torch_launchers(tmp_path):
+PROCESS_COUNT_CHECKS = the_snippet_with('if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", "1"))',
+                                        RUNNABLE)
+if not torch_cuda_available():  # on GPUs, the test below skips
+    CASES["process_count_check_without_cpu"] = Case(
+        "runnable: accelerate launch 2", PROCESS_COUNT_CHECKS.replace('parser.parse_args(["--cpu"])', "parser.parse_args([])"))
+
+
+def test_the_process_count_check_stops_a_launch_without_cpu(case_ran):
+    """The guide's check: without --cpu on a machine without GPUs, two lone processes; the check stops them."""
+    if torch_cuda_available():
+        pytest.skip("this machine has GPUs: without --cpu the processes form one group")
+    assert 'parser.parse_args(["--cpu"])' in PROCESS_COUNT_CHECKS
+    assert "parser.parse_args([])" in CASES["process_count_check_without_cpu"].code
+    ran = case_ran("process_count_check_without_cpu")
+    error = "error: 2 processes were launched but each runs alone; on a machine without GPUs add --cpu"
+    assert not ran.succeeded and "".join(ran.stderr).count(error) == 2, ran.stderr
+    assert not any('File "' + ran.script in stderr for stderr in ran.stderr)  # sys.exit: no traceback through it
+
+
+def without_the_multi_gpu_check(code: str) -> str:
+    check_start = code.index('if "MASTER_ADDR" in os.environ')
+    check_end = code.index("\n", code.index("sys.exit(", check_start)) + 1
+    unchecked = code[:check_start] + code[check_end:]
+    return unchecked.replace("assert world_size == 2 and total.item() == 3.0", "print(f'world_size {world_size}')")
+
+
+# The simple launcher's one process, alone: the launcher's environment as it is
+CASES["process_count_check_without_multi_gpu"] = Case(ONE_OF_TWO, PROCESS_COUNT_CHECKS, own_group=False)
+CASES["no_process_count_check_without_multi_gpu"] = Case(
+    ONE_OF_TWO, without_the_multi_gpu_check(PROCESS_COUNT_CHECKS), own_group=False)
+
+
+def test_the_process_count_check_stops_a_launch_without_multi_gpu(case_ran):
+    """accelerate launch --num_processes 2 --cpu without --multi_gpu starts one process: without the guide's second
+    check it trains alone to the end, exit status 0; with it, it stops with one line."""
+    assert 'if "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:' in PROCESS_COUNT_CHECKS
+    unchecked = CASES["no_process_count_check_without_multi_gpu"].code
+    assert "world_size {world_size}" in unchecked and 'if "MASTER_ADDR" in os.environ' not in unchecked
+    ran = case_ran("no_process_count_check_without_multi_gpu")
+    assert ran.succeeded and not ran.threads_left, ran.output
+    assert "world_size 1" in ran.stdout[0]  # the silent difference: one process, exit 0
+    ran = case_ran("process_count_check_without_multi_gpu")
+    error = "error: accelerate launch was asked for several processes but started one; add --multi_gpu to it"
+    assert not ran.succeeded and ran.stderr[0].count(error) == 1, ran.stderr
+
+
+LOCAL_RANK_SNIPPET = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
+_start, _parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
+# the snippet's parser without its torch and accelerate imports
+OLD_PARSER = (f"import argparse\n\n{LOCAL_RANK_SNIPPET[LOCAL_RANK_SNIPPET.index(_start):LOCAL_RANK_SNIPPET.index(_parse)]}"
+              f"{_parse}\nprint('local_rank', args.local_rank)\n")
+CASES["old_parser_under_torchrun"] = Case("runnable: torchrun 2", OLD_PARSER)
+
+
+def test_old_local_rank_parser_under_torch_launchers(tmp_path, case_ran):
     """The guide's table: torch.distributed.launch passes --local-rank=N, which the old parser refuses;
-    torchrun passes nothing, so the parser keeps its default (accelerate launch: the snippet itself)."""
-    code = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
-    start, parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
-    parser = code[code.index(start): code.index(parse)] + parse  # without the snippet's torch and accelerate imports
+    torchrun passes nothing (its batch gives its snippets what it was given), so the parser keeps its default
+    (accelerate launch: the snippet itself)."""
+    assert 'parser.add_argument("--local_rank", type=int, default=-1)' in OLD_PARSER
     script = tmp_path / "old_parser.py"
-    script.write_text(f"import argparse\n\n{parser}\nprint('local_rank', args.local_rank)\n")
-    one_process = ["--standalone", "--nproc_per_node", "1", script]
-    launch = run([sys.executable, "-m", "torch.distributed.launch", *one_process], cwd=tmp_path, check=False)
+    script.write_text(OLD_PARSER)
+    launch = run([sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "1", script],
+                 cwd=tmp_path, check=False)
     assert launch.returncode != 0 and "error: unrecognized arguments: --local-rank=0" in launch.stderr, launch.stderr
-    torchrun = run([sys.executable, "-m", "torch.distributed.run", *one_process], cwd=tmp_path)
-    assert "local_rank -1" in torchrun.stdout
+    torchrun = case_ran("old_parser_under_torchrun")
+    assert torchrun.succeeded and not torchrun.threads_left, torchrun.output
+    assert all("local_rank -1" in stdout for stdout in torchrun.stdout)
 
 
 # What a script does after the guide's lines to delete: join the group, say who it is. TIMEOUT: the process
@@ -321,30 +432,41 @@ accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(time
 print(f"process {accelerator.process_index} of {accelerator.num_processes}\\n", end="", flush=True)
 accelerator.end_training()
 """
+LINES_TO_DELETE = the_snippet_with('os.environ["WORLD_SIZE"] = "1"', COMPILE_ONLY)
+
+
+def with_the_line_setting(variable) -> str:
+    """The guide's line that sets `variable` (None: no line) in front of JOIN_AND_REPORT."""
+    (line,) = [text for text in LINES_TO_DELETE.splitlines() if text.startswith(f'os.environ["{variable}"] = ')] or [""]
+    # a port nobody listens on, not 29500, which another job on this machine may really hold
+    line = line.replace('"29500"', f'"{free_port()}"')
+    timeout = "1" if variable == "MASTER_PORT" else "100"
+    return f"import os\n{line}\n" + JOIN_AND_REPORT.replace("TIMEOUT", timeout)
+
+
+# WORLD_SIZE and MASTER_PORT: with the launcher's store and port, as the script launched alone has them
+for _variable in (None, "WORLD_SIZE", "MASTER_PORT"):
+    CASES[f"environment_set_by_the_script_{_variable}"] = Case(
+        "runnable: accelerate launch 2", lambda variable=_variable: with_the_line_setting(variable),
+        own_group=_variable is None)
 
 
 @pytest.mark.parametrize("variable", [None, "WORLD_SIZE", "MASTER_PORT"])
-def test_environment_set_by_the_script_overrides_the_launcher(variable, tmp_path):
+def test_environment_set_by_the_script_overrides_the_launcher(variable, case_ran):
     """The guide's lines to delete, each run in front of JOIN_AND_REPORT with 2 processes; None: without them."""
-    block = the_snippet_with('os.environ["WORLD_SIZE"] = "1"', COMPILE_ONLY)
-    (line,) = [text for text in block.splitlines() if text.startswith(f'os.environ["{variable}"] = ')] or [""]
-    # a port nobody listens on, not 29500, which another job on this machine may really hold
-    line = line.replace('"29500"', f'"{free_port()}"')
-    script = tmp_path / "script.py"
-    timeout = "1" if variable == "MASTER_PORT" else "100"
-    script.write_text(f"import os\n{line}\n" + JOIN_AND_REPORT.replace("TIMEOUT", timeout))
-    proc = run([*launcher_args(2), script], cwd=tmp_path, timeout=120, check=False)
-    output = proc.stdout + proc.stderr
+    ran = case_ran(f"environment_set_by_the_script_{variable}")
+    stdout = "".join(ran.stdout)
     if variable is None:
-        assert proc.returncode == 0 and {"process 0 of 2", "process 1 of 2"} <= set(proc.stdout.splitlines()), output
+        assert ran.succeeded and not ran.threads_left, ran.output
+        assert {"process 0 of 2", "process 1 of 2"} <= set(stdout.splitlines()), ran.output
     elif variable == "WORLD_SIZE":
         # process 0 forms a group of one (it may be stopped before it prints); process 1 cannot join
-        assert proc.returncode != 0 and "rank < size. 1 vs 1" in output, output
-        assert "process 1 of" not in proc.stdout and "of 2" not in proc.stdout
+        assert not ran.succeeded and "rank < size. 1 vs 1" in ran.output, ran.output
+        assert "process 1 of" not in stdout and "of 2" not in stdout
     else:
-        port = re.search(r'"(\d+)"', line)[1]
-        assert proc.returncode != 0 and f"127.0.0.1:{port}" in output, output
-        assert "process " not in proc.stdout
+        port = re.search(r'os.environ\["MASTER_PORT"\] = "(\d+)"', ran.code)[1]
+        assert not ran.succeeded and f"127.0.0.1:{port}" in ran.output, ran.output
+        assert "process " not in stdout
 
 
 @pytest.mark.parametrize("code", COMPILE_ONLY)

@@ -216,7 +216,29 @@ LAUNCHED_BY_ANOTHER_TEST = {
     # its run "resized": --num_processes 3 ... --resume_from_checkpoint latest, under tests/sample_recorder.py
     "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml --num_processes 3 scripts/train_mnist.py":
         "tests/test_fsdp.py::test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once",
+    # helpers.launcher_args(2): these flags, and --num_machines 1 --mixed_precision no --dynamo_backend no, the
+    # launcher's own defaults where `accelerate config` never ran, spelled out
+    "accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 scripts/train_mnist.py":
+        "tests/test_step_based_runs.py::test_max_steps_ends_inside_an_epoch_with_the_schedule_and_a_final_evaluation",
+    # helpers.launcher_args(2) again, with --main_process_port 0: a free port for the group instead of 29500
+    "accelerate launch --multi_gpu --num_processes 2 scripts/train_image_classifier.py":
+        "tests/test_image_classifier.py::test_single_folder_layout_two_processes_learn_with_identical_replicas",
 }
+# Wrappers that run the launch after them as it is, and restart it when it fails, which their test checks: a wrapped
+# launch is the launch alone here (made here, or by the test that LAUNCHED_BY_ANOTHER_TEST names).
+WRAPPERS_CHECKED_BY = {
+    "scripts/restart_on_failure.sh": "tests/test_reliability.py::test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run",
+}
+# Environment variables that change nothing of a run but its speed: a launch with them is the launch without them here.
+NO_CHANGE_OF_RESULTS = ("CUDA_LAUNCH_BLOCKING",)  # synchronous GPU kernels, for a debugger's stack trace
+
+
+def launch_key(launcher_part: str) -> str:
+    """The launch a command's part before its script makes (see WRAPPERS_CHECKED_BY and NO_CHANGE_OF_RESULTS)."""
+    words = shlex.split(launcher_part)
+    if words[0] in WRAPPERS_CHECKED_BY:
+        words = words[words.index("accelerate"):]
+    return shlex.join(w for w in words if w.split("=", 1)[0] not in NO_CHANGE_OF_RESULTS)
 
 
 def first_command_per_topology() -> list:
@@ -228,9 +250,9 @@ def first_command_per_topology() -> list:
         if script in RUN_ELSEWHERE:
             continue
         assert script in RUN_HERE, f"no rule runs {script}: add it to RUN_HERE or RUN_ELSEWHERE ({document})"
-        launcher_part = command.split(".py", 1)[0]
-        if launcher_part + ".py" not in LAUNCHED_BY_ANOTHER_TEST:
-            chosen.setdefault(launcher_part, (document, command))
+        launch = launch_key(command.split(".py", 1)[0])
+        if launch + ".py" not in LAUNCHED_BY_ANOTHER_TEST:
+            chosen.setdefault(launch, (document, command))
     return [pytest.param(command, id=f"{document}: {command}") for document, command in chosen.values()]
 
 
@@ -270,11 +292,25 @@ def test_launch_commands_run_on_cpu(command, tmp_path):
 
 
 def test_the_launches_another_test_makes_are_documented_and_that_test_exists():
-    documented = {command.split(".py", 1)[0] + ".py" for _, command in launch_commands()}
+    documented = {launch_key(command.split(".py", 1)[0]) + ".py" for _, command in launch_commands()}
     for launch, test in LAUNCHED_BY_ANOTHER_TEST.items():
         assert launch in documented, f"no document launches {launch}: drop it from LAUNCHED_BY_ANOTHER_TEST"
         path, name = test.split("::")
         assert f"\ndef {name}(" in (REPO / path).read_text(), f"{test} does not exist: name the test that runs {launch}"
+    for wrapper, test in WRAPPERS_CHECKED_BY.items():
+        assert any(command.startswith(wrapper) for _, command in launch_commands()), f"no document wraps with {wrapper}"
+        path, name = test.split("::")
+        assert f"\ndef {name}(" in (REPO / path).read_text(), f"{test} does not exist: name the test of {wrapper}"
+        assert wrapper.split("/")[-1] in (REPO / path).read_text(), f"{test} does not run {wrapper}"
+
+
+def test_a_checked_wrapper_or_a_variable_that_changes_no_result_makes_no_other_launch():
+    assert launch_key("scripts/restart_on_failure.sh 3 accelerate launch --num_processes 2 scripts/t") == \
+        "accelerate launch --num_processes 2 scripts/t"
+    assert launch_key("CUDA_LAUNCH_BLOCKING=1 accelerate launch scripts/t") == "accelerate launch scripts/t"
+    # a variable the launcher reads stays part of the launch
+    assert launch_key("PET_RDZV_ENDPOINT=localhost:0 accelerate launch scripts/t") == \
+        "PET_RDZV_ENDPOINT=localhost:0 accelerate launch scripts/t"
 
 
 def test_commands_that_need_gpus_are_told_apart():
