@@ -25,9 +25,12 @@ from pathlib import Path
 
 # What the snippets import that costs seconds; imported here once, before any fork, never used (no threads yet).
 # Not torch._dynamo: it imports torch.distributed.nn, whose default arguments hold the process group when it is
-# imported after one exists; a snippet must show that early import itself ("Ending a run cleanly").
+# imported after one exists; a snippet must show that early import itself ("Ending a run cleanly"). The last three
+# are what torch._dynamo (imported by DDP and Accelerate's prepare) spends most of its 2-3 s on without importing
+# torch.distributed.nn (the assert below checks that), so the child's own import of torch._dynamo takes about 1 s.
 PRELOADED = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel", "torch.utils.data",
-             "accelerate", "accelerate.utils", "safetensors.torch"]
+             "accelerate", "accelerate.utils", "safetensors.torch",
+             "sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor"]
 
 
 def run_snippet(entry: dict, rank: str, launcher_args: list) -> None:
