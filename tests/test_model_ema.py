@@ -2,7 +2,8 @@
 optimizer step, evaluated each epoch beside the weights (eval_ema_*), saved in every checkpoint and resumed bit for
 bit, written as model_ema.safetensors, selectable for best/ and by predict.py's --weights ema. The update rule step
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
-under --compile."""
+under --compile. The comparisons across runs and process counts are launched; one-process runs whose launched form
+is tested elsewhere run the script alone (`helpers.run_alone`: no launcher process)."""
 
 import csv
 import json
@@ -197,7 +198,8 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_average_bit_for_bit(with
 def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, digits, tmp_path):
     """best/ keeps the average of the epoch with the lowest eval_ema_loss (here the last), as model.safetensors:
     --eval_only on one process evaluates it as the 2-process run did; and plain PyTorch finds the same in
-    model_ema.safetensors."""
+    model_ema.safetensors. That one process runs alone (launched --eval_only runs: tests/test_train_mnist.py, and the
+    3-process one below)."""
     out = with_ema[0]
     r = results(out)
     assert (r["metric_for_best"], r["best_epoch"], r["best_eval_ema_loss"]) == ("eval_ema_loss", 1, r["eval_ema_loss"])
@@ -208,8 +210,8 @@ def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, 
     eval_out = tmp_path / "eval"
     eval_out.mkdir()
     (eval_out / "best").symlink_to(out / "best")
-    launch(["--data_dir", digits, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best",
-            "--batch_size", "16"])
+    run_alone(["--data_dir", digits, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best",
+               "--batch_size", "16"])
     evaluated = read_json(eval_out / "eval_results.json")
     assert evaluated["eval_accuracy"] == r["eval_ema_accuracy"] < 1 and evaluated["eval_samples"] == 203
     # the loss to the 9th digit: on 2 processes the last batch of 11 digits is padded to 16, and the Linear layer
@@ -236,14 +238,16 @@ def test_eval_only_with_model_ema_evaluates_a_checkpoints_average_on_3_processes
 
 def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_without_one(
         with_ema, without_ema, digits, tmp_path):
+    """One process, run alone (predict.py's launched runs: tests/test_predict.py)."""
     out = with_ema[0]
     output = tmp_path / "ema.csv"
-    launch(["--model_dir", out, "--data_dir", digits, "--output_file", output, "--weights", "ema"], script=PREDICT)
+    run_alone(["--model_dir", out, "--data_dir", digits, "--output_file", output, "--weights", "ema"], script=PREDICT)
     with open(output, newline="") as file:
         table = list(csv.DictReader(file))
     assert sum(row["class_1"] == row["label"] for row in table) / len(table) == results(out)["eval_ema_accuracy"]
 
-    # refused before any work: predict.py alone (its launched refusals: tests/test_predict.py)
+    # refused before any work: predict.py alone, the one process that prints a --model_dir refusal (test_predict.py
+    # asks its others of main() in the test process; its launched refusal: --on_error stop)
     proc = run_alone(["--model_dir", without_ema, "--data_dir", digits, "--output_file", tmp_path / "no.csv",
                       "--weights", "ema"], script=PREDICT, check=False)
     assert_clean_user_error(proc, f"has no {EMA_WEIGHTS}", "trained without --model_ema", "drop --weights ema")
@@ -279,13 +283,14 @@ def test_a_checkpoint_and_the_flags_that_disagree_about_the_average_are_one_line
 def test_classifier_keeps_the_average_of_the_compiled_model_with_gradient_accumulation(tmp_path):
     """torch.compile wraps the model; the average is of the plain module inside (the same parameters), saved under
     its names. 4 classes x 8 images, batches of 4, 2 per optimizer step: 4 steps per epoch. The default decay
-    without warmup is far too slow for 8 steps: the run says so."""
+    without warmup is far too slow for 8 steps: the run says so. One process, run alone (the classifier's launched
+    runs: tests/test_image_classifier.py)."""
     images = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=3)
     out = tmp_path / "out"
-    proc = launch(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn",
-                   "--image_size", "16", "--num_workers", "0", "--batch_size", "4", "--gradient_accumulation_steps",
-                   "2", "--epochs", "2", "--optimizer", "adamw", "--learning_rate", "0.002", "--compile", "--model_ema",
-                   "--metric_for_best", "eval_ema_accuracy"], script=CLASSIFIER)
+    proc = run_alone(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn",
+                      "--image_size", "16", "--num_workers", "0", "--batch_size", "4", "--gradient_accumulation_steps",
+                      "2", "--epochs", "2", "--optimizer", "adamw", "--learning_rate", "0.002", "--compile",
+                      "--model_ema", "--metric_for_best", "eval_ema_accuracy"], script=CLASSIFIER)
     r = results(out)
     assert r["compiled"] and r["global_step"] == r["ema_updates"] == 8
     assert {"eval_ema_accuracy", "eval_ema_top5_accuracy", "eval_ema_loss"} <= r.keys()

@@ -1,19 +1,35 @@
 """scripts/predict.py: the model rebuilt from what a training run recorded, one row per input in input order, the
 same bytes on 1, 2 and 3 processes, the training run's accuracy, bad inputs as one line or one row, and the
-ONNX export checked with onnxruntime. One tiny image run and one MNIST run, trained once for the module."""
+ONNX export checked with onnxruntime. One tiny image run and one MNIST run, trained once for the module.
+
+Processes (the suite's time is the number of processes it starts): the documented commands run as written, and every
+comparison across process counts is launched; one-process runs whose launched form is tested here or elsewhere run
+the script alone (`helpers.run_alone`: no launcher process), or predict.py's main() runs in the test process
+(`predict_in_this_process`): the refusals before the first prediction, the rows of a corrupt image, the bf16 line
+and the MNIST export."""
 
 import csv
 import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState, GradientState
 from doc_commands import document_commands, runnable
-from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results, run, skip_or_fail_in_ci
+from helpers import (
+    REPO,
+    assert_clean_user_error,
+    launch,
+    load_script,
+    make_synthetic_mnist,
+    results,
+    run,
+    run_alone,
+    skip_or_fail_in_ci,
+)
 from image_data import make_split_image_folder
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -30,25 +46,27 @@ NUM_EVAL_IMAGES = 13  # neither 2 nor 3 processes divide it; with --batch_size 4
 @pytest.fixture(scope="module")
 def image_run(tmp_path_factory):
     """(data, output_dir): a one-convolution CNN trained for one epoch on 4 classes of 16-px images, evaluated on
-    13; --metric_for_best also writes best/ (after the one epoch: the final weights)."""
+    13; --metric_for_best also writes best/ (after the one epoch: the final weights). One process, run alone (the
+    classifier's launched runs: tests/test_image_classifier.py)."""
     root = tmp_path_factory.mktemp("predict_images")
     data = make_split_image_folder(root / "data", train_per_class=8, val_per_class=4)
     for extra in sorted((data / "val").rglob("*.png"))[NUM_EVAL_IMAGES:]:
         extra.unlink()
     out = root / "run"
-    launch(["--data_dir", data, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--epochs", "1",
-            "--batch_size", "8", "--num_workers", "0", "--metric_for_best", "eval_accuracy", "--output_dir", out],
-           script=CLASSIFIER)
+    run_alone(["--data_dir", data, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--epochs", "1",
+               "--batch_size", "8", "--num_workers", "0", "--metric_for_best", "eval_accuracy", "--output_dir", out],
+              script=CLASSIFIER)
     assert results(out)["eval_samples"] == NUM_EVAL_IMAGES
     return data, out
 
 
 @pytest.fixture(scope="module")
 def mnist_run(tmp_path_factory):
-    """(data, output_dir): the ConvNet after one epoch on 256 generated digits, evaluated on 203 (= 7 x 29)."""
+    """(data, output_dir): the ConvNet after one epoch on 256 generated digits, evaluated on 203 (= 7 x 29). One
+    process, run alone (train_mnist.py's launched runs: tests/test_train_mnist.py and most others)."""
     root = tmp_path_factory.mktemp("predict_mnist")
     data = make_synthetic_mnist(root / "data", num_train=256, num_test=203)
-    launch(["--data_dir", data, "--epochs", "1", "--output_dir", root / "run"])
+    run_alone(["--data_dir", data, "--epochs", "1", "--output_dir", root / "run"])
     return data, root / "run"
 
 
@@ -97,6 +115,18 @@ def predict(model_dir, data, output, num_processes=1, *flags, **kwargs):
                   script=PREDICT, **kwargs)
 
 
+def predict_in_this_process(*argv) -> int:
+    """scripts/predict.py's main() on its parsed `argv`, in the test process: one process, as `python
+    scripts/predict.py` runs it, without starting one. Accelerate's state is reset after it, so that no later test of
+    this process finds this one's Accelerator."""
+    script = load_script(PREDICT)
+    try:
+        return script.main(script.parse_args([str(word) for word in argv]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 def rows(path) -> list:
     with open(path, newline="") as file:
         return list(csv.DictReader(file))
@@ -138,7 +168,7 @@ def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_a
     assert f"accuracy {results(out)['eval_accuracy']:.4f} on {NUM_EVAL_IMAGES} labelled inputs" in proc.stdout
 
 
-def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mnist_run, documented, tmp_path):
+def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mnist_run, documented, tmp_path, capsys):
     """203 digits in batches of 64: the last one holds 11. Without padding it to a whole batch, the 1-process
     file differed from the 2- and 3-process ones in one probability's 6th decimal on this data (0.259358 and
     0.259359): the CPU rounds a batch of 11 differently from one of 64. 1 process: the documented command."""
@@ -156,14 +186,18 @@ def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mn
     assert top1_accuracy(table) == results(out)["eval_accuracy"]
     # issue 29: in another precision than the run's, another accuracy, though the docs said they match: now it says so
     assert "not necessarily the run's eval_accuracy" not in proc.stdout
-    proc = predict(out, data, tmp_path / "bf16.csv", 1, "--mixed_precision", "bf16", "--max_samples", "8")
-    assert "precision bf16; accuracy" in proc.stdout
+    # one process, in the test process (the launched one-process run: the documented command above)
+    predict_in_this_process("--cpu", "--model_dir", out, "--data_dir", data, "--output_file", tmp_path / "bf16.csv",
+                            "--mixed_precision", "bf16", "--max_samples", "8")
+    printed = capsys.readouterr().out
+    assert "precision bf16; accuracy" in printed
     assert "not necessarily the run's eval_accuracy: it evaluated in precision no (--mixed_precision no to repeat it)" \
-        in proc.stdout
+        in printed
 
 
-def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and_no_file(image_run, tmp_path):
-    """A flat folder: unlabelled images, read whole, in file-name order."""
+def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and_no_file(image_run, tmp_path, capsys):
+    """A flat folder: unlabelled images, read whole, in file-name order. The rows on one process, in the test process;
+    the stop launched: predict.py's launched check of its one error line."""
     data, out = image_run
     folder = tmp_path / "new_images"
     folder.mkdir()
@@ -172,17 +206,19 @@ def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and
     broken = folder / "2_broken.png"
     broken.write_bytes((folder / "2.png").read_bytes()[:60])  # a PNG header, then nothing
     output = tmp_path / "predictions.csv"
-    proc = predict(out, folder, output, 1, "--top_k", "2", "--num_workers", "0")
+    predict_in_this_process("--cpu", "--model_dir", out, "--data_dir", folder, "--output_file", output, "--top_k", "2",
+                            "--num_workers", "0")
+    printed = capsys.readouterr().out
     table = rows(output)
     assert [Path(row["source"]).name for row in table] == ["0.png", "1.png", "2.png", "2_broken.png", "3.png"]
-    assert all(row["label"] == "" for row in table) and "accuracy" not in proc.stdout
+    assert all(row["label"] == "" for row in table) and "accuracy" not in printed
     (bad,) = [row for row in table if row["error"]]
     assert bad["source"] == str(broken) and str(broken) in bad["error"] and "cannot be decoded" in bad["error"]
     # issue 29: the row repeated training's advice to resume from a checkpoint
     assert bad["error"].endswith("replace it with a good copy, or delete it") and "checkpoint" not in bad["error"]
     assert bad["class_1"] == bad["probability_1"] == ""
     assert all(row["class_1"] and float(row["probability_1"]) > 0 for row in table if row is not bad)
-    assert "1 unreadable" in proc.stdout
+    assert "1 unreadable" in printed
 
     output.unlink()
     proc = predict(out, folder, output, 1, "--on_error", "stop", "--num_workers", "0", check=False)
@@ -192,6 +228,9 @@ def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and
 
 def test_a_missing_or_mismatched_model_dir_a_folder_without_images_and_an_unwritable_output_are_one_line_each(
         image_run, mnist_run, tmp_path):
+    """Each refused before the first prediction, asked of predict.py's main() in the test process: how the script
+    prints such a refusal (one `error:` line, no traceback) is shown by the --on_error stop above (launched) and by
+    tests/test_model_ema.py's --weights ema refusal (run alone), both through the same `except UserError`."""
     data, out = image_run
     (tmp_path / "empty").mkdir()
     (tmp_path / "a_file").write_text("not a folder")
@@ -206,9 +245,12 @@ def test_a_missing_or_mismatched_model_dir_a_folder_without_images_and_an_unwrit
         (out, data, tmp_path / "a_file" / "predictions.csv", ["cannot write --output_file", "writable folder"]),
     ]
     for model_dir, images, output_file, words in cases:
-        proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", model_dir, "--data_dir", images,
-                    "--output_file", output_file], check=False)
-        assert_clean_user_error(proc, *words)
+        with pytest.raises(UserError) as refusal:
+            predict_in_this_process("--cpu", "--model_dir", model_dir, "--data_dir", images, "--output_file",
+                                    output_file)
+        message = " ".join(str(refusal.value).split())  # the one line utils/errors.py's exit_with_error prints
+        for word in words:
+            assert word in message, message
     assert not output.exists()
 
 
@@ -343,9 +385,10 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     print(f"ONNX vs PyTorch, max abs difference of the logits: {max(differences):.2e}")
 
 
-def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_path):
+def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_path, capsys):
     """An MNIST run exports with MNIST's normalisation inside (not the images' mean and std): onnxruntime's logits on
-    the run's digits are the ConvNet's."""
+    the run's digits are the ConvNet's. predict.py's main() in the test process (its export launched as a process:
+    the documented command above)."""
     require_onnx_export()
     import onnxruntime
     from safetensors.torch import load_file
@@ -355,9 +398,9 @@ def test_onnx_export_of_an_mnist_run_normalises_digits_as_mnist(mnist_run, tmp_p
 
     data, out = mnist_run
     path = tmp_path / "mnist.onnx"
-    proc = run([sys.executable, PREDICT, "--cpu", "--model_dir", out, "--data_dir", data, "--export", "onnx",
-                "--export_file", path, "--batch_size", "16"])
-    assert f"Wrote {path}" in proc.stdout
+    predict_in_this_process("--cpu", "--model_dir", out, "--data_dir", data, "--export", "onnx", "--export_file", path,
+                            "--batch_size", "16")
+    assert f"Wrote {path}" in capsys.readouterr().out
     digits = load_mnist_idx(data)["test"][0][:16].unsqueeze(1)  # uint8 (16, 1, 28, 28), as predict.py reads them
     model = ConvNet()
     model.load_state_dict(load_file(out / "model.safetensors"))
