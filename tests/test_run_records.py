@@ -193,8 +193,8 @@ def test_train_image_classifier_keeps_one_run_per_output_dir(mnist_run, tmp_path
     assert evaluated["eval_top5_accuracy"] == 1.0  # 4 classes: top-5 holds them all
     # the same weights on the same 64 images as the training run's own last evaluation
     assert evaluated["eval_accuracy"] == trained["eval_accuracy"]
-    printed = re.findall(r"Evaluated (\S+) \(after 1 epochs, step 4\): eval_accuracy ([\d.]+), eval_loss ([\d.]+)"
-                         r"(?:, \w+ [\d.]+)* on 64 samples", proc.stdout)
+    printed = re.findall(r"Evaluated (\S+) \(after 1 epochs, step 4\): eval_accuracy ([\d.]+), eval_top5_accuracy "
+                         r"1.0000, eval_loss ([\d.]+) on 64 samples", proc.stdout)
     assert printed == [(str(out / "epoch_0"), f"{evaluated['eval_accuracy']:.4f}", f"{evaluated['eval_loss']:.4f}")]
 
     # its own command again, where no checkpoint is left: nothing trained (by its record)
