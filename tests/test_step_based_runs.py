@@ -11,8 +11,9 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, launch, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
+from helpers import REPO, TRAIN_MNIST, launch, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
+from test_run_records import decide
 
 from utils.launch.flags import HIGHER_IS_BETTER
 from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
@@ -91,6 +92,8 @@ def test_max_steps_ends_inside_an_epoch_with_the_schedule_and_a_final_evaluation
     assert r["eval_samples"] == 37 and not r["stopped_early"]  # over exactly the eval set, after step 7
     run = json.loads((out / "run.json").read_text())
     assert (run["max_steps"], run["epochs"]) == (7, 3)  # the flags as given: part of train_mnist.py's run
+    # the process count and batch split in effect (tests/test_run_records.py: a 1-process run's)
+    assert (run["num_processes"], run["batch_size_per_process"], run["global_batch_size"]) == (2, 8, 16)
     assert sorted(p.name for p in out.glob("step_*")) == sorted(f"step_{n}" for n in range(1, 8))
 
 
@@ -157,21 +160,22 @@ def test_a_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_one(seve
 
 
 def test_the_last_steps_checkpoint_resumes_to_the_epochs_end_or_to_nothing_once_reported(seven_steps, digits,
-                                                                                         tmp_path):
+                                                                                         tmp_path, caplog):
     """step_7 was saved after the last step, before the end of its epoch: alone in a new folder it still has the final
-    evaluation and the report to do (on 1 process: the process count may change); where the run reported it, a
-    resume trains nothing and writes nothing (decided before any training: the script runs alone, without `accelerate
-    launch`, whose form of it tests/test_run_records.py checks)."""
+    evaluation and the report to do (on 1 process: the process count may change; the script runs alone, as accelerate's
+    one-process launcher runs it); where the run reported it, a resume trains nothing (decided before any training:
+    asked in this process, as the script asks it; the launched decision, writing nothing: tests/test_run_records.py)."""
     full, _ = seven_steps
     before = snapshot(full)
-    proc = run_alone(["--data_dir", digits, "--output_dir", full, *MNIST_RUN, "--resume_from_checkpoint", "latest"])
-    assert f"Nothing left to train: {full / 'step_7'} has 7 optimizer steps done and --max_steps is 7" in proc.stderr
+    said = decide(TRAIN_MNIST, ["--data_dir", digits, "--output_dir", full, *MNIST_RUN, "--resume_from_checkpoint",
+                                "latest"], caplog)
+    assert said == [f"{full / 'step_7'} has 7 optimizer steps done and --max_steps is 7"]
     assert snapshot(full) == before
 
     ending = tmp_path / "ending"
     ending.mkdir()
     shutil.copytree(full / "step_7", ending / "step_7")
-    launch(["--data_dir", digits, "--output_dir", ending, *MNIST_RUN, "--resume_from_checkpoint", "latest"])
+    run_alone(["--data_dir", digits, "--output_dir", ending, *MNIST_RUN, "--resume_from_checkpoint", "latest"])
     r, rr = results(full), results(ending)
     assert (ending / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     assert (rr["global_step"], rr["train_loss"], rr["eval_samples"]) == (7, r["train_loss"], 37)
