@@ -21,14 +21,24 @@ skip_first_batches skips indices, not fetched batches. (A loop that breaks out o
 fetched one batch more than it trained.)
 
 Also `--model tests.sample_recorder:tiny_cnn`: a classifier small enough that a checkpoint costs nothing.
+
+Several runs in one launch: `accelerate launch tests/sample_recorder.py --jobs JOBS.json` (jobs_file() writes it).
+Each launched process imports torch, Accelerate and the data libraries once (8-10 s of CPU, most of a small run), then
+forks one child per job, in the file's order, that runs `SCRIPT ARGS` as above with the job's $SAMPLE_LOG, its own
+MASTER_PORT (the children of every rank form a group of their own) and its output in $SAMPLE_LOG.rank{RANK}.out: as
+tests/snippet_batch.py does for the migration guide's snippets. A job waits for the one before it, so it may resume
+from its checkpoints. The launch exits 0 when every job ended as expected (`"fails": true`: non-zero).
 """
 
 import faulthandler
 import hashlib
+import importlib
+import json
 import os
 import runpy
 import signal
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -142,13 +152,12 @@ def tiny_cnn(num_classes: int) -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, num_classes))
 
 
-def main(argv) -> None:
-    sys.path.insert(0, str(REPO))  # the same `utils` package that SCRIPT imports
+def run_script(argv) -> None:
+    """SCRIPT ARGS as `python SCRIPT ARGS` would run them; its exit status into $SAMPLE_LOG.rank{RANK}.exit."""
     # A process that the launcher stops because another one failed (e.g. a collective that timed out waiting for this
     # one) first prints where each of its Python threads was: the test's output then names where a late process stood.
     # (--save_on_signal replaces this with its own handler.)
     faulthandler.register(signal.SIGTERM, chain=True)
-    _patch_datasets()
     script, *script_args = argv
     sys.argv = [script, *script_args]
     status = 1  # an exception other than SystemExit
@@ -162,5 +171,65 @@ def main(argv) -> None:
         Path(f"{os.environ['SAMPLE_LOG']}.rank{os.environ.get('RANK', '0')}.exit").write_text(str(status))
 
 
+# What the scripts import that costs seconds: imported once per launched process in --jobs mode, before any fork.
+PRELOADED = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accelerate.utils", "torchvision", "datasets",
+             "evaluate", "safetensors.torch", "tqdm.auto"]
+
+
+def jobs_file(path, jobs) -> Path:
+    """Write PATH for `--jobs PATH`; `jobs`: dicts of argv (SCRIPT ARGS), sample_log, port (this job's MASTER_PORT),
+    timeout (s) and optionally fails (the job must exit non-zero: a refusal)."""
+    Path(path).write_text(json.dumps([{**job, "argv": list(map(str, job["argv"])),
+                                       "sample_log": str(job["sample_log"])} for job in jobs]))
+    return Path(path)
+
+
+def wait_for(pid: int, timeout: float) -> int:
+    """The child's exit status; killed past `timeout` (its DataLoader workers then stop on their own)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return -signal.SIGKILL
+
+
+def run_jobs(path) -> int:
+    """--jobs PATH: each job in a child forked from this process (see the docstring above)."""
+    jobs = json.loads(Path(path).read_text())
+    rank = os.environ.get("RANK", "0")
+    for module in PRELOADED:
+        importlib.import_module(module)
+    as_expected = True
+    for job in jobs:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
+            os.environ.update({"SAMPLE_LOG": job["sample_log"], "MASTER_PORT": str(job["port"]),
+                               "TORCHELASTIC_USE_AGENT_STORE": "False"})  # rank 0's child serves its group's store
+            with open(f"{job['sample_log']}.rank{rank}.out", "w") as output:
+                os.dup2(output.fileno(), 1)
+                os.dup2(output.fileno(), 2)
+            run_script(job["argv"])
+            sys.exit(0)
+        status = wait_for(pid, job["timeout"])
+        as_expected &= (status != 0) == job.get("fails", False)
+    return 0 if as_expected else 1
+
+
+def main(argv) -> int:
+    sys.path.insert(0, str(REPO))  # the same `utils` package that SCRIPT imports
+    _patch_datasets()
+    if argv[0] == "--jobs":
+        return run_jobs(argv[1])
+    run_script(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

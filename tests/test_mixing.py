@@ -10,8 +10,9 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, launcher_args, load_script, results, run, run_folder_of
+from helpers import REPO, free_consecutive_ports, launcher_args, load_script, results, run, run_folder_of
 from image_data import make_split_image_folder
+from sample_recorder import jobs_file
 
 from utils.data.image_dataset import TransformedImages
 from utils.data.image_loading import load_image_datasets
@@ -237,10 +238,16 @@ def test_without_the_flags_nothing_is_mixed(folder):
 # ---------------------------------------------------------------- runs on 1, 2 and 3 processes, and a resume
 
 
-def launch_recorded(args, num_processes, log):
-    """The script under tests/sample_recorder.py; processes out of step (a bug) fail after --ddp_timeout 60."""
-    run([*launcher_args(num_processes), RECORDER, CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"],
-        env={"SAMPLE_LOG": str(log)}, timeout=300)
+def launch_recorded(jobs, num_processes, folder):
+    """The script under tests/sample_recorder.py, one run after the other in one launch (--jobs): `jobs` are (args,
+    log); processes out of step (a bug) fail after --ddp_timeout 60, a run still going at 300 s is killed."""
+    port = free_consecutive_ports(len(jobs))
+    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
+        {"argv": [CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"], "sample_log": log, "port": port + i,
+         "timeout": 300} for i, (args, log) in enumerate(jobs)])
+    proc = run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=300 * len(jobs))
+    outputs = sorted(path for _, log in jobs for path in log.parent.glob(f"{log.name}.rank*.out"))
+    assert proc.returncode == 0, "\n".join(f"{path.name}: {path.read_text()[-6000:]}" for path in outputs)
 
 
 def mixed_samples(log, rank):
@@ -248,7 +255,7 @@ def mixed_samples(log, rank):
     worker per process here, else only their union is meaningful)."""
     lines = []
     for path in sorted(log.parent.glob(f"{log.name}.rank{rank}*")):
-        if not path.name.endswith(".exit"):
+        if not path.name.endswith((".exit", ".out")):
             lines += [line.split() for line in path.read_text().splitlines()]
     return [(int(epoch), int(index), int(partner), kind, float(lam), digest)
             for epoch, index, partner, kind, lam, digest in lines]
@@ -263,15 +270,15 @@ ONE_PROCESS = ["--batch_size", "12", "--num_workers", "0", "--learning_rate", "1
 def runs(folder, tmp_path_factory):
     """2 epochs of 48 images in global batches of 12 (4 steps per epoch): on 1 process (no workers, ONE_PROCESS), 2
     (1 worker each, a checkpoint every 3 steps) and 3 (2 workers each); then the 2-process run resumed from step_6,
-    mid-epoch 1."""
+    mid-epoch 1, in the same launch as the run it resumes (tests/sample_recorder.py --jobs)."""
     root = tmp_path_factory.mktemp("mixing_runs")
-    for num_processes, flags in ((1, ONE_PROCESS), (2, ["--batch_size", "6", "--num_workers", "1",
-                                                        "--checkpointing_steps", "3"]),
-                                 (3, ["--batch_size", "4", "--num_workers", "2"])):
-        launch_recorded([*run_flags(folder, root / f"p{num_processes}"), *flags], num_processes,
-                        root / f"p{num_processes}.log")
-    launch_recorded([*run_flags(folder, root / "resumed"), "--batch_size", "6", "--num_workers", "1",
-                     "--resume_from_checkpoint", root / "p2" / "step_6"], 2, root / "resumed.log")
+    two_processes = ["--batch_size", "6", "--num_workers", "1"]
+    launch_recorded([([*run_flags(folder, root / "p1"), *ONE_PROCESS], root / "p1.log")], 1, root)
+    launch_recorded([([*run_flags(folder, root / "p2"), *two_processes, "--checkpointing_steps", "3"], root / "p2.log"),
+                     ([*run_flags(folder, root / "resumed"), *two_processes,
+                       "--resume_from_checkpoint", root / "p2" / "step_6"], root / "resumed.log")], 2, root)
+    launch_recorded([([*run_flags(folder, root / "p3"), "--batch_size", "4", "--num_workers", "2"], root / "p3.log")],
+                    3, root)
     return root
 
 

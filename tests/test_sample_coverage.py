@@ -5,6 +5,9 @@ even_batches documents (train_mnist.py) or dropped (train_image_classifier.py). 
 bookkeeping would get wrong silently: the scheduler and clipping once per optimizer step, the accumulation cycle
 restarted by a resume, set_epoch reaching the dataset's augmentations.
 
+Every run here is one job of the two launches in `launches` (tests/sample_recorder.py --jobs): the 2-process runs in
+one launch, the 3-process runs (the resumes among them) in the next, each process importing torch and Accelerate once.
+
 "Global order": the batches of all processes interleaved round-robin (batch k of rank r is global batch
 k * num_processes + r, as BatchSamplerShard deals them), i.e. the epoch's shuffle as the batch sampler read it.
 """
@@ -13,12 +16,15 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, launcher_args, results
+from helpers import EXIT_CHECK, REPO, free_consecutive_ports, launcher_args, results, threads_left_message
 from image_data import make_split_image_folder
+from sample_recorder import jobs_file
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
@@ -35,22 +41,38 @@ CLASSIFIER_ARGS = ["--max_train_samples", CLASSIFIER_N, *COMMON, "--model", "tes
                    "--image_size", "16", "--optimizer", "adamw", "--warmup_epochs", "0"]
 
 
-def launch_recorded(script, args, num_processes, log):
-    """accelerate launch the script under the recorder; unchecked: a test reads what a broken run left. Processes
-    out of step (a bug) fail after --ddp_timeout 120; the whole session is killed if it still runs at 360 s.
+JOB_TIMEOUT = 360  # s, a run's (each was a launch of its own, with this limit)
+
+
+def launch_recorded(jobs, num_processes, folder):
+    """accelerate launch the recorder with these jobs (script, args, log): one run after the other, in one launch;
+    unchecked: a test reads what a broken run left (assert_ok). Processes out of step (a bug) fail after --ddp_timeout
+    120; a run still going at JOB_TIMEOUT is killed, the whole launch if it still runs at JOB_TIMEOUT per run.
 
     120 s, from what these runs wait in a collective on 2 cores loaded to a load average of 8-15 (issue 30, stacks
     sampled every second in 4 resumed 3-process runs): at most 2 s once training, but up to 33 s at the start in
     main_process_first's barrier (rank 0 builds the datasets, the model and the metric, the others wait), then up to
-    37 s for rank 0 in DDP's parameter check while the others build theirs. At 60 s that left a margin of 1.6."""
-    cmd = [*launcher_args(num_processes), RECORDER, script, "--cpu", *map(str, args), "--ddp_timeout", "120"]
-    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           errors="replace", env={**os.environ, "SAMPLE_LOG": str(log)}, start_new_session=True)
-    try:
-        stdout, stderr = job.communicate(timeout=360)
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
-        stdout, stderr = job.communicate()
+    37 s for rank 0 in DDP's parameter check while the others build theirs. At 60 s that left a margin of 1.6.
+
+    Started as tests/helpers.run starts a command (its exit check: no gloo thread alive at any process's exit), but in
+    a session of its own, so that a run past its time is killed with all its processes."""
+    port = free_consecutive_ports(len(jobs))
+    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
+        {"argv": [script, "--cpu", *args, "--ddp_timeout", "120"], "sample_log": log, "port": port + i,
+         "timeout": JOB_TIMEOUT} for i, (script, args, log) in enumerate(jobs)])
+    cmd = [*launcher_args(num_processes), RECORDER, "--jobs", manifest]
+    with tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
+        env = {**os.environ, "EXIT_CHECK_DIR": exit_check_dir,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")]))}
+        job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, errors="replace", env=env, start_new_session=True)
+        try:
+            stdout, stderr = job.communicate(timeout=JOB_TIMEOUT * len(jobs))
+        except subprocess.TimeoutExpired:
+            os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
+            stdout, stderr = job.communicate()
+        threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
+    assert job.returncode != 0 or not threads_left, threads_left_message(threads_left)
     return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
 
 
@@ -69,9 +91,14 @@ def global_order(per_rank, batch_size):
     return [i for k in range(rounds) for ids in per_rank for i in ids[k * batch_size:(k + 1) * batch_size]]
 
 
-def assert_ok(proc):
-    """The end of a failed run's output, with the stacks that tests/sample_recorder.py prints for a stopped process."""
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
+def assert_ok(log, num_processes):
+    """Every process of the run logging to `log` exited 0; else the end of each one's output, with the stacks that
+    tests/sample_recorder.py prints for a stopped process."""
+    exits = [log.with_name(f"{log.name}.rank{rank}.exit") for rank in range(num_processes)]
+    if [path.read_text() if path.exists() else None for path in exits] != ["0"] * num_processes:
+        outputs = [log.with_name(f"{log.name}.rank{rank}.out") for rank in range(num_processes)]
+        raise AssertionError("\n".join(f"{path.name}: {path.read_text()[-6000:] if path.exists() else 'absent'}"
+                                        for path in outputs))
 
 
 def training_state(checkpoint):
@@ -82,21 +109,54 @@ def training_state(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def mnist_runs(synthetic_mnist, tmp_path_factory):
-    """2 processes, 2 epochs, a checkpoint at every step; then a fresh 3-process run resumes from step_1 (mid-epoch
-    0) with --batch_size 2, so the resume keeps the global batch of 24 with 4 accumulation steps."""
-    root = tmp_path_factory.mktemp("mnist_coverage")
-    full = launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", root / "full", *MNIST], 2,
-                           root / "full.log")
-    resumed = launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", root / "resumed", *MNIST,
-                                            "--batch_size", "2", "--resume_from_checkpoint", root / "full" / "step_1"],
-                              3, root / "resumed.log")
-    return root, full, resumed
+def launches(synthetic_mnist, tmp_path_factory):
+    """Every run of this file, in 2 launches: first the 2-process runs, then the 3-process ones (the resumes).
+
+    train_mnist.py: 2 processes, 2 epochs, a checkpoint at every step (mnist/full); then a fresh 3-process run resumes
+    from step_1 (mid-epoch 0) with --batch_size 2, so the resume keeps the global batch of 24 with 4 accumulation
+    steps (mnist/resumed). And 50 samples at --batch_size 8 for 1 epoch on 2 and 3 processes (mnist/padded2, padded3).
+
+    train_image_classifier.py: 100 training images; 2 processes as above (images decoded in the main process: fetch
+    order is training order), then a fresh 3-process run of 8 per batch resumes from step_1 with 2 DataLoader workers
+    each. Both train 96 images per epoch: the last 4 of the shuffle are an incomplete round of batches on 2 and on 3
+    processes."""
+    root = tmp_path_factory.mktemp("coverage")
+    mnist, classifier = root / "mnist", root / "classifier"
+    mnist.mkdir()
+    data = make_split_image_folder(classifier / "data", train_per_class=CLASSIFIER_N // 4, val_per_class=2)
+
+    def padded(processes):
+        return (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / f"padded{processes}",
+                              "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1",
+                              "--batch_size", "8"], mnist / f"padded{processes}.log")
+
+    launch_recorded([
+        (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / "full", *MNIST], mnist / "full.log"),
+        padded(2),
+        (CLASSIFIER, ["--data_dir", data, "--output_dir", classifier / "full", *CLASSIFIER_ARGS, "--num_workers", "0"],
+         classifier / "full.log"),
+    ], 2, root)
+    launch_recorded([
+        (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / "resumed", *MNIST, "--batch_size", "2",
+                       "--resume_from_checkpoint", mnist / "full" / "step_1"], mnist / "resumed.log"),
+        padded(3),
+        (CLASSIFIER, ["--data_dir", data, "--output_dir", classifier / "resumed", *CLASSIFIER_ARGS, "--batch_size", "8",
+                      "--num_workers", "2", "--resume_from_checkpoint", classifier / "full" / "step_1"],
+         classifier / "resumed.log"),
+    ], 3, root)
+    return mnist, classifier
+
+
+@pytest.fixture(scope="module")
+def mnist_runs(launches):
+    """train_mnist.py's runs: their folder, and (log, processes) of the 2-process run and of its 3-process resume."""
+    root = launches[0]
+    return root, (root / "full.log", 2), (root / "resumed.log", 3)
 
 
 def test_train_mnist_trains_each_sample_once_per_epoch_on_2_processes(mnist_runs):
     root, full, _ = mnist_runs
-    assert_ok(full)
+    assert_ok(*full)
     per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
     assert [len(ids) for ids in per_rank] == [2 * 48, 2 * 48]  # 8 batches of 6 per process and epoch
     epochs = [global_order([ids[e * 48:(e + 1) * 48] for ids in per_rank], 6) for e in range(2)]
@@ -111,8 +171,8 @@ def test_train_mnist_mid_epoch_resume_on_3_processes_trains_the_rest_of_the_same
     """The resumed run trains exactly the uninterrupted run's global order after its first optimizer step (24
     samples), then all of epoch 1 in the same order: whatever the process count, no sample twice or never."""
     root, full, resumed = mnist_runs
-    assert_ok(full)
-    assert_ok(resumed)
+    assert_ok(*full)
+    assert_ok(*resumed)
     before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
     uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
     after = [[index for _, index in fetched(root / "resumed.log", rank)] for rank in range(3)]
@@ -129,21 +189,20 @@ def test_train_mnist_mid_epoch_resume_on_3_processes_trains_the_rest_of_the_same
 
 
 @pytest.mark.parametrize("processes, padding", [(2, 14), (3, 22)])
-def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(processes, padding, synthetic_mnist, tmp_path):
+def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(processes, padding, mnist_runs):
     """50 samples at --batch_size 8: 7 batches, the last of 2 samples. Accelerate (even_batches, drop_last False)
     gives every process as many full batches (2 processes: 4 each, 64 samples; 3: 3 each, 72): the epoch's shuffle
     once, then its first 14 (22) samples again, completing the batch of 2 and whole batches after it, and nothing
     else. What the script's docstring and docs/migration_guide.md ("Uneven data") say."""
-    log = tmp_path / "padded.log"
-    assert_ok(launch_recorded(TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", tmp_path / "out",
-                                            "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1",
-                                            "--batch_size", "8"], processes, log))
+    root = mnist_runs[0]
+    log = root / f"padded{processes}.log"
+    assert_ok(log, processes)
     per_rank = [[index for _, index in fetched(log, rank)] for rank in range(processes)]
     order = global_order(per_rank, 8)
     assert len(order) == 50 + padding
     assert sorted(order[:50]) == list(range(50))  # every sample once...
     assert order[50:] == order[:padding]  # ...then the padding: the first samples of the shuffle, in order
-    r = results(tmp_path / "out")
+    r = results(root / f"padded{processes}")
     assert r["num_processes"] == processes
     assert r["global_step"] == (50 + padding) // (8 * processes) and r["samples_seen"] == 50 + padding  # trained
 
@@ -159,14 +218,14 @@ def test_train_mnist_steps_the_scheduler_once_per_optimizer_step(mnist_runs):
         optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
         assert {int(s["step"]) for s in optimizer["state"].values()} == {step}  # AdamW's own count
         assert training_state(checkpoint)["global_step"] == step
-    assert_ok(full)
+    assert_ok(*full)
 
 
 def test_train_mnist_clips_once_per_optimizer_step(mnist_runs):
     """--max_grad_norm 1e-6: every norm recorded exceeds it, so steps_clipped counts the norms recorded in the last
     epoch; clipping on the accumulation micro-steps too would record 8."""
     root, full, _ = mnist_runs
-    assert_ok(full)
+    assert_ok(*full)
     r = results(root / "full")
     assert r["steps_clipped"] == 4  # optimizer steps per epoch
     assert r["grad_norm_max"] >= r["grad_norm_mean"] > 1e-6
@@ -179,7 +238,7 @@ def test_train_mnist_resume_starts_a_fresh_accumulation_cycle(mnist_runs):
     root, _, resumed = mnist_runs
     state = training_state(root / "resumed" / "step_2")
     assert (state["global_step"], state["samples_in_epoch"], state["samples_seen"]) == (2, 48, 48)
-    assert_ok(resumed)
+    assert_ok(*resumed)
     r = results(root / "resumed")
     assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
 
@@ -188,26 +247,18 @@ def test_train_mnist_resume_starts_a_fresh_accumulation_cycle(mnist_runs):
 
 
 @pytest.fixture(scope="module")
-def classifier_runs(tmp_path_factory):
-    """100 training images; 2 processes as above (images decoded in the main process: fetch order is training
-    order), then a fresh 3-process run of 8 per batch resumes from step_1 with 2 DataLoader workers each. Both train
-    96 images per epoch: the last 4 of the shuffle are an incomplete round of batches on 2 and on 3 processes."""
-    root = tmp_path_factory.mktemp("classifier_coverage")
-    data = make_split_image_folder(root / "data", train_per_class=CLASSIFIER_N // 4, val_per_class=2)
-    full = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "full", *CLASSIFIER_ARGS,
-                                        "--num_workers", "0"], 2, root / "full.log")
-    resumed = launch_recorded(CLASSIFIER, ["--data_dir", data, "--output_dir", root / "resumed", *CLASSIFIER_ARGS,
-                                           "--batch_size", "8", "--num_workers", "2",
-                                           "--resume_from_checkpoint", root / "full" / "step_1"], 3,
-                              root / "resumed.log")
-    return root, full, resumed
+def classifier_runs(launches):
+    """train_image_classifier.py's runs (see launches): their folder, and (log, processes) of the 2-process run and of
+    its 3-process resume."""
+    root = launches[1]
+    return root, (root / "full.log", 2), (root / "resumed.log", 3)
 
 
 def test_classifier_trains_each_image_once_per_epoch_on_2_processes_with_that_epochs_augmentations(classifier_runs):
     """On 2+ processes Accelerate's set_epoch reaches the sampler only; the script's train_dataset.set_epoch is
     what makes epoch 1 draw new augmentations (the epoch each image is augmented with is the dataset's own)."""
     root, full, _ = classifier_runs
-    assert_ok(full)
+    assert_ok(*full)
     records = [fetched(root / "full.log", rank) for rank in range(2)]
     for per_process in records:
         assert [epoch for epoch, _ in per_process] == [0] * 48 + [1] * 48
@@ -226,8 +277,8 @@ def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest
     with the right epoch in the worker processes too; and on 3 processes, too, the shuffle's last 4 images (an
     incomplete round of 3 batches of 8) are left out, the same 4 as on 2 processes."""
     root, full, resumed = classifier_runs
-    assert_ok(full)
-    assert_ok(resumed)
+    assert_ok(*full)
+    assert_ok(*resumed)
     before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
     uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
     for rank in range(3):
@@ -253,8 +304,8 @@ def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
     say. Read from the runs above: epochs 0 and 1 of the 2-process run, epoch 1 of the resumed 3-process run (whole;
     its DataLoader workers' logs)."""
     root, full, resumed = classifier_runs
-    assert_ok(full)
-    assert_ok(resumed)
+    assert_ok(*full)
+    assert_ok(*resumed)
     if processes == 2:
         per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
         epochs = [[i for ids in per_rank for i in ids[e * 48:(e + 1) * 48]] for e in range(2)]
