@@ -6,10 +6,12 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MNIST_10K, REPO, assert_clean_user_error, requires_mnist_10k, results, run, run_alone
+from helpers import (MNIST_10K, REPO, assert_clean_user_error, load_script, requires_mnist_10k, results, run,
+                     run_alone)
 from safetensors.torch import load_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
+from utils.errors import UserError
 from utils.models import ConvNet
 
 BASELINES = REPO / "scripts" / "baselines"
@@ -75,9 +77,14 @@ def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(synth
     """Same seed, same initial weights, same shuffle (seed + epoch), same schedule: the
     baseline is the same training, so the comparison in the benchmark is fair."""
     args = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16"]
-    # accelerate launch gives a CPU process one thread; so does this torchrun (float sums
-    # depend on how many threads share them).
-    torchrun(DDP, [*args, "--output_dir", tmp_path / "ddp"], nproc=1, env={"OMP_NUM_THREADS": "1"})
+    # accelerate launch gives a CPU process one thread; so does this run (float sums depend on how many threads share
+    # them). ddp_mnist.py started with the environment `torchrun --standalone --nproc_per_node 1` gives its one worker
+    # (port 0: the store picks a free one), without torchrun's own process: torchrun itself is launched in the
+    # 2-process test above and in test_benchmark.py.
+    torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+    run([sys.executable, DDP, "--cpu", *args, "--output_dir", tmp_path / "ddp"],
+        env={"OMP_NUM_THREADS": "1", **torchrun_env})
     # train_mnist.py on one process without accelerate launch (an Accelerator needs no launcher; the launched runs
     # of it are in test_train_mnist.py): half the start-up cost
     run_alone([*args, "--output_dir", tmp_path / "accelerate"], env={"OMP_NUM_THREADS": "1"})
@@ -98,17 +105,24 @@ def test_dataparallel_without_two_gpus_exits_with_one_clear_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_user_errors_of_the_baselines(synthetic_mnist, tmp_path):
+def test_user_errors_of_the_baselines(synthetic_mnist, tmp_path, monkeypatch, capsys):
+    """Asked in this process (the scripts' main and parse_args): each refusal is decided before any training, and the
+    way a refusal leaves a baseline's process (one `error:` line, exit status 1, nothing written) is launched above,
+    by DataParallel's, through the same exit_with_error."""
+    ddp, plain = load_script(DDP), load_script(PLAIN)
     # ddp_mnist.py needs torchrun ...
-    proc = run([sys.executable, DDP, "--cpu", "--data_dir", synthetic_mnist, "--output_dir", tmp_path / "a"],
-               check=False)
-    assert_clean_user_error(proc, "torchrun --nproc_per_node")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(UserError, match=r"not started by torchrun; run `torchrun --nproc_per_node N "):
+        ddp.main(ddp.parse_args(["--cpu", "--data_dir", str(synthetic_mnist), "--output_dir", str(tmp_path / "a")]))
     # ... fp16 needs a GPU (Accelerate would silently train fp32 on the CPU) ...
-    proc = run([sys.executable, PLAIN, "--cpu", "--mixed_precision", "fp16", "--data_dir", synthetic_mnist,
-                "--output_dir", tmp_path / "b"], check=False)
-    assert_clean_user_error(proc, "--mixed_precision fp16 needs a CUDA GPU")
+    with pytest.raises(UserError, match="--mixed_precision fp16 needs a CUDA GPU"):
+        plain.main(plain.parse_args(["--cpu", "--mixed_precision", "fp16", "--data_dir", str(synthetic_mnist),
+                                     "--output_dir", str(tmp_path / "b")]))
     # ... and a shared flag the baselines leave out is refused, not ignored.
-    proc = run([sys.executable, PLAIN, "--cpu", "--checkpointing_steps", "epoch", "--output_dir", tmp_path / "c"],
-               check=False)
-    assert_clean_user_error(proc, "--checkpointing_steps", "scripts/train_mnist.py")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        plain.parse_args(["--cpu", "--checkpointing_steps", "epoch", "--output_dir", str(tmp_path / "c")])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert stopped.value.code == 2 and line.startswith("error: ")
+    assert "--checkpointing_steps" in line and "scripts/train_mnist.py" in line, line
     assert not any((tmp_path / name).exists() for name in "abc")

@@ -9,13 +9,15 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from helpers import (REPO, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
+from helpers import (EXIT_CHECK, REPO, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
                      training_processes)
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
@@ -24,19 +26,36 @@ METHODS = ("plain", "ddp", "dataparallel", "accelerate")
 KEY = ("model", "data_path", "method", "precision", "num_processes")
 
 
+def benchmark_in_this_process(argv, cwd=REPO) -> None:
+    """`python scripts/benchmark.py ARGV` started in `cwd`, run in this process: benchmark.py only starts the runs and
+    writes the report, so its own process (torch and matplotlib imported again, ~10 s) is spared. Its runs are started
+    as tests/helpers.run starts a process: tests/exit_check on PYTHONPATH, each checked for gloo threads alive at its
+    exit. (A failing benchmark's one error line, from a process of its own: the no-steady-state test.)"""
+    benchmark = load_script(BENCHMARK)
+    argv = [str(word) for word in argv]
+    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
+        patch.chdir(cwd)
+        patch.setattr(sys, "argv", [str(BENCHMARK), *argv])  # what benchmark.json records as the command typed
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")])))
+        patch.setenv("EXIT_CHECK_DIR", exit_check_dir)
+        benchmark.main(benchmark.parse_args(argv))
+        threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
+    assert threads_left == []
+
+
 @pytest.fixture(scope="module")
 def quick(synthetic_mnist, tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
     # 640 generated digits in batches of 16: 20 batches per process on 2 processes, 10 past warm-up.
     # Two processes only, to keep CI short (test_baselines.py runs the scripts on one). Started outside
     # the repository with paths relative to there, as a user may: the runs start in the repository root.
-    proc = run([sys.executable, BENCHMARK, "--quick", "--cpu", "--data_dir", synthetic_mnist.name, "--batch_size", "16",
-                "--methods", ",".join(METHODS), "--precisions", "fp32,fp16", "--num_processes", "2",
-                "--data_paths", "dataloader,device", "--output_dir", out.name], cwd=out.parent)
+    benchmark_in_this_process(["--quick", "--cpu", "--data_dir", synthetic_mnist.name, "--batch_size", "16",
+                               "--methods", ",".join(METHODS), "--precisions", "fp32,fp16", "--num_processes", "2",
+                               "--data_paths", "dataloader,device", "--output_dir", out.name], cwd=out.parent)
     assert synthetic_mnist.parent == out.parent
     with open(out / "benchmark.csv") as f:
         rows = {tuple(row[k] for k in KEY): row for row in csv.DictReader(f)}
-    return out, rows, json.loads((out / "benchmark.json").read_text()), proc
+    return out, rows, json.loads((out / "benchmark.json").read_text())
 
 
 def number(text):
@@ -44,7 +63,7 @@ def number(text):
 
 
 def test_every_combination_has_a_row_measured_or_skipped_with_its_reason(quick):
-    _, rows, _, _ = quick
+    _, rows, _ = quick
     expected = {("mnist", path, method, precision, str(n)) for path in ("dataloader", "device") for method in METHODS
                 for precision in ("fp32", "fp16") for n in (2,)}
     assert set(rows) == expected
@@ -63,7 +82,7 @@ def test_every_combination_has_a_row_measured_or_skipped_with_its_reason(quick):
 
 
 def test_measured_rows_hold_sane_numbers(quick):
-    _, rows, _, _ = quick
+    _, rows, _ = quick
     for key, row in rows.items():
         if row["status"] != "ok":
             assert row["samples_per_second"] == row["ratio_to_ddp"] == "", row
@@ -92,7 +111,7 @@ def test_on_device_path_trains_the_same_model_with_ddp_and_accelerate(quick):
     """Same seed, initial weights, shuffle and shards: on the fast path the two methods compute
     the same training, bit for bit on the CPU, so the epoch's exact training loss is equal, not only
     the accuracy on the easy generated digits; they differ in speed only."""
-    _, _, report, _ = quick
+    _, _, report = quick
     runs = {run["method"]: run for run in report["runs"] if run["data_path"] == "device"}
     ddp, accelerate = runs["ddp"], runs["accelerate"]
     assert ddp["train_loss"] == accelerate["train_loss"] and 0 < ddp["train_loss"] < 2.3  # chance: ln 10
@@ -100,7 +119,7 @@ def test_on_device_path_trains_the_same_model_with_ddp_and_accelerate(quick):
 
 
 def test_json_records_machine_versions_command_and_every_run(quick, synthetic_mnist):
-    out, rows, report, _ = quick
+    out, rows, report = quick
     assert report["machine"]["torch"] == torch.__version__
     assert report["machine"]["accelerate"] and report["machine"]["cpu_cores"] >= 1
     assert report["device"] == "cpu"
@@ -116,7 +135,7 @@ def test_json_records_machine_versions_command_and_every_run(quick, synthetic_mn
 
 
 def test_markdown_table_lists_measured_rows_then_skipped_ones_with_reasons(quick):
-    out, rows, _, _ = quick
+    out, rows, _ = quick
     text = (out / "benchmark.md").read_text()
     measured = [line for line in text.splitlines() if line.startswith("| mnist |")]
     assert len(measured) == sum(r["status"] == "ok" for r in rows.values()) == 4
@@ -124,7 +143,7 @@ def test_markdown_table_lists_measured_rows_then_skipped_ones_with_reasons(quick
 
 
 def test_rewrite_from_json_rebuilds_the_same_table_without_running_anything(quick, tmp_path):
-    out, _, _, _ = quick
+    out, _, _ = quick
     benchmark = load_script(BENCHMARK)  # in this process: a rewrite starts no process
     benchmark.main(benchmark.parse_args(["--rewrite_from", str(out / "benchmark.json"), "--output_dir", str(tmp_path)]))
     assert (tmp_path / "benchmark.csv").read_text() == (out / "benchmark.csv").read_text()
@@ -133,7 +152,7 @@ def test_rewrite_from_json_rebuilds_the_same_table_without_running_anything(quic
 
 
 def test_plots_are_pngs_with_content(quick):
-    out, _, _, _ = quick
+    out, _, _ = quick
     import matplotlib.image
 
     for name in ("throughput.png", "scaling.png"):
@@ -147,9 +166,9 @@ def test_plots_are_pngs_with_content(quick):
 def test_resnet_on_synthetic_images_in_plain_pytorch(tmp_path):
     """The ResNet path: a torchvision model on synthetic 1000-class images, in plain PyTorch.
     16-pixel images and 12 batches keep it short (ResNet's global pooling takes any size)."""
-    run([sys.executable, BENCHMARK, "--quick", "--cpu", "--models", "resnet18", "--methods", "plain",
-         "--precisions", "fp32", "--num_processes", "1", "--data_paths", "device", "--image_size", "16",
-         "--synthetic_samples", "192", "--batch_size", "16", "--output_dir", tmp_path])
+    benchmark_in_this_process(["--quick", "--cpu", "--models", "resnet18", "--methods", "plain", "--precisions", "fp32",
+                               "--num_processes", "1", "--data_paths", "device", "--image_size", "16",
+                               "--synthetic_samples", "192", "--batch_size", "16", "--output_dir", tmp_path])
     with open(tmp_path / "benchmark.csv") as f:
         (row,) = list(csv.DictReader(f))
     assert (row["model"], row["method"], row["precision"], row["status"]) == ("resnet18", "plain", "fp32", "ok"), row
