@@ -190,7 +190,8 @@ def sweep_runs(synthetic_mnist, tmp_path_factory):
         sweep = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # one process group: the sweep, its launcher, the training
     try:
-        wait_for_path(root / "learning_rate_0.01" / "step_4", sweep, timeout=240)
+        # the first run whole and the second to its step_4: twice the 240 s one run was given to reach a checkpoint
+        wait_for_path(root / "learning_rate_0.01" / "step_4", sweep, timeout=480)
     finally:
         os.killpg(sweep.pid, signal.SIGKILL)
         sweep.wait()
