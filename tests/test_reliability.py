@@ -57,15 +57,17 @@ def uninterrupted(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process_runs(data, tmp_path_factory):
     """One process, uninterrupted, then resumed from its step_45 (13 batches into epoch 1). The uninterrupted run is
-    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is."""
+    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is.
+    The script alone, as accelerate's one-process launcher runs it: the launched one-process runs are
+    test_one_training_per_folder_...'s."""
     runs = tmp_path_factory.mktemp("one_process")
     args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45",
             "--resume_from_checkpoint", "latest"]
-    full = launch([*args, "--output_dir", runs / "full"])
+    full = run_alone([*args, "--output_dir", runs / "full"])
     (runs / "full.log").write_text(full.stdout + full.stderr)
     (runs / "resumed").mkdir()
     shutil.copytree(runs / "full" / "step_45", runs / "resumed" / "step_45")
-    launch([*args, "--output_dir", runs / "resumed"])
+    run_alone([*args, "--output_dir", runs / "resumed"])
     return runs
 
 
