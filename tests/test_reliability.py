@@ -213,10 +213,15 @@ def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_launcher_restarts_the_re
            "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
     job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                           "PET_RDZV_ENDPOINT": "localhost:0"})
+                                           "PET_RDZV_ENDPOINT": "localhost:0"}, start_new_session=True)
     next_save = (step // 10 + 1) * 10
-    _kill_rank_once_saved(job, out, next_save)
-    output, _ = job.communicate(timeout=300)
+    try:
+        _kill_rank_once_saved(job, out, next_save)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:  # a failed wait: the launcher, its agent and the workers, one session
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
     assert job.returncode == 0, output[-4000:]
     # the first attempt continues from the Ctrl-C's checkpoint, the restarted one from a checkpoint of its own
     (first, restarted) = re.findall(r"^.*Resumed from (\S+):", output, flags=re.MULTILINE)
