@@ -131,10 +131,14 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
         job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
                                env={**os.environ, "SAMPLE_LOG": str(exits)}, start_new_session=True)
     try:
+        # rank 1 found before its step_10, so that the signal lands at once: the run must not end first (96 steps)
+        deadline = time.monotonic() + 120
+        while not (rank_1 := [p for p in training_processes(out) if p.environ().get("LOCAL_RANK") == "1"]):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
         wait_for_path(out / "step_10", job)
-        (rank_1,) = [p for p in training_processes(out) if p.environ().get("LOCAL_RANK") == "1"]
         signalled = time.monotonic()
-        rank_1.send_signal(signal.SIGTERM)
+        rank_1[0].send_signal(signal.SIGTERM)
         deadline = signalled + 120
         while not (first_exit := re.search(r"attempt 1 of 2 exited with status (\d+)", log.read_text(errors="replace"))):
             assert job.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
