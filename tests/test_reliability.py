@@ -57,15 +57,17 @@ def uninterrupted(data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process_runs(data, tmp_path_factory):
     """One process, uninterrupted, then resumed from its step_45 (13 batches into epoch 1). The uninterrupted run is
-    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is."""
+    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is.
+    The script alone, as accelerate's one-process launcher runs it: the launched one-process runs are
+    test_one_training_per_folder_...'s."""
     runs = tmp_path_factory.mktemp("one_process")
     args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45",
             "--resume_from_checkpoint", "latest"]
-    full = launch([*args, "--output_dir", runs / "full"])
+    full = run_alone([*args, "--output_dir", runs / "full"])
     (runs / "full.log").write_text(full.stdout + full.stderr)
     (runs / "resumed").mkdir()
     shutil.copytree(runs / "full" / "step_45", runs / "resumed" / "step_45")
-    launch([*args, "--output_dir", runs / "resumed"])
+    run_alone([*args, "--output_dir", runs / "resumed"])
     return runs
 
 
@@ -84,9 +86,9 @@ def test_resume_latest_with_no_checkpoint_starts_from_scratch(one_process_runs):
     assert r["resumed_from"] is None and r["samples_seen"] == 2 * 1024
 
 
-def _kill_rank_after_first_checkpoint(launcher: subprocess.Popen, output_dir, rank: int = 1) -> int:
-    """SIGKILL the worker with LOCAL_RANK=rank as soon as step_10 exists (mid-epoch 0)."""
-    wait_for_path(output_dir / "step_10", launcher)
+def _kill_rank_once_saved(launcher: subprocess.Popen, output_dir, step: int = 10, rank: int = 1) -> int:
+    """SIGKILL the worker with LOCAL_RANK=rank as soon as step_{step} exists (step_10: mid-epoch 0)."""
+    wait_for_path(output_dir / f"step_{step}", launcher)
     (worker,) = [p for p in training_processes(output_dir) if p.environ().get("LOCAL_RANK") == str(rank)]
     worker.kill()
     return worker.pid
@@ -106,49 +108,70 @@ def another_job_on_port_29400():
         yield
 
 
-def test_the_launcher_restarts_a_killed_rank_and_the_run_matches_the_uninterrupted_one(
-        data, uninterrupted, tmp_path, another_job_on_port_29400):
-    """In-launcher restarts: --max_restarts with the c10d rendezvous. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    gives each attempt a fresh store; with the agent's shared store the restarted workers read the dead
-    attempt's gloo addresses and fail (Connection refused). PET_RDZV_ENDPOINT=localhost:0 puts the
-    rendezvous store on a free port: port 29400 is taken during this run."""
-    out = tmp_path / "restarted"
-    cmd = [*launcher_args(2), "--max_restarts", "1", "--rdzv_backend", "c10d", TRAIN_MNIST, "--cpu",
-           "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
-    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-                                           "PET_RDZV_ENDPOINT": "localhost:0"})
-    _kill_rank_after_first_checkpoint(job, out)
-    output, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, output[-4000:]
-    assert output.count("Resumed from ") == 1, "the restarted attempt continues from a checkpoint"
-    resumed, reference = results(out), results(uninterrupted)
-    assert resumed["resumed_from"] is not None and resumed["samples_seen"] == reference["samples_seen"]
-    assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
-
-
 def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, uninterrupted, tmp_path):
-    """The restart wrapper runs the same command again after a rank is killed. The folder also holds a save killed
+    """The restart wrapper runs the same command again after its first attempt was stopped by SIGTERM to rank 1's PID
+    alone (one node's share of a preempted job, a `kill` by hand), with --save_on_signal: Accelerate's trigger tells
+    rank 0, so both save the same step and exit with 128 + 15, at once. (A per-process stop would leave rank 0
+    training while rank 1 waits in the save's barrier until --ddp_timeout.) The folder also holds a save killed
     half-way, `.tmp-step_30` without training_state.json (planted before the first attempt): neither attempt resumes
-    from it, the first starts from scratch, the second from its last good checkpoint, and the save of step_30
-    replaces it; --checkpoints_total_limit 2 leaves the two newest."""
-    out = tmp_path / "killed"
+    from it, the first starts from scratch, the second from the signal's checkpoint, and the save of step_30 replaces
+    it; --checkpoints_total_limit 2 leaves the two newest. (A rank SIGKILLed, restarted by the launcher:
+    test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_launcher_restarts_the_resumed_run_exactly.)"""
+    out, exits = tmp_path / "killed", tmp_path / "exits"
     out.mkdir()
     half_written = shutil.copytree(uninterrupted / "step_30", out / ".tmp-step_30")
     (half_written / "training_state.json").unlink()
     (half_written / "model.safetensors").write_bytes(b"\x00" * 10)
-    command = ["bash", RESTART, "1", *launcher_args(2), TRAIN_MNIST, "--cpu", "--data_dir", data,
-               "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest", "--checkpoints_total_limit", "2"]
-    job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True)
-    _kill_rank_after_first_checkpoint(job, out)
-    output, _ = job.communicate(timeout=300)
-    assert job.returncode == 0, output
-    assert "attempt 1 of 2 exited" in output, "the kill must have ended the first attempt"
+    # sample_recorder.py runs the script unchanged and writes each process's exit status to exits.rank{N}.exit
+    command = ["bash", RESTART, "1", *launcher_args(2), REPO / "tests" / "sample_recorder.py", TRAIN_MNIST, "--cpu",
+               "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest",
+               "--checkpoints_total_limit", "2", "--save_on_signal"]  # a stop that hangs: the 120 s below
+    log = tmp_path / "restarts.log"
+    with log.open("w") as output:  # a file, not a pipe: read while the job runs, drained by nothing
+        job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
+                               env={**os.environ, "SAMPLE_LOG": str(exits)}, start_new_session=True)
+    try:
+        # rank 1 found before its step_10, so that the signal lands at once: the run must not end first (96 steps)
+        deadline = time.monotonic() + 120
+        while not (rank_1 := [p for p in training_processes(out) if p.environ().get("LOCAL_RANK") == "1"]):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        wait_for_path(out / "step_10", job)
+        signalled = time.monotonic()
+        rank_1[0].send_signal(signal.SIGTERM)
+        deadline = signalled + 120
+        while not (first_exit := re.search(r"attempt 1 of 2 exited with status (\d+)", log.read_text(errors="replace"))):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.02)
+        took = time.monotonic() - signalled
+        # the first attempt's state, read before the second attempt's processes end (and rewrite the exit files)
+        exit_statuses = [exits.with_name(f"exits.rank{rank}.exit").read_text() for rank in range(2)]
+        first_attempt = log.read_text(errors="replace")
+        stopped = STOPPED_BY_SIGNAL.search(first_attempt)  # logged by rank 0, which got no signal
+        assert stopped, first_attempt[-3000:]
+        step = int(stopped[1])
+        saved = out / f"step_{step}"
+        saved_state = json.loads((saved / "training_state.json").read_text())
+        random_states = {p.name for p in saved.glob("random_states_*.pkl")}
+        temporary, finished = sorted(p.name for p in out.glob(".tmp-*")), (out / "results.json").exists()
+        job.wait(timeout=300)
+    finally:
+        if job.poll() is None:  # the wrapper, its launcher, the agent and the workers: one session
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    output = log.read_text(errors="replace")
+    assert took < 30, f"{took:.0f} s: ended by a timeout, not by the trigger"
+    assert exit_statuses == ["143", "143"]
+    assert first_exit[1] != "0"  # the launcher reports its workers' failure
+    assert stopped[2] == str(saved) and saved_state["global_step"] == step
+    assert random_states == {"random_states_0.pkl", "random_states_1.pkl"}
+    assert temporary == [half_written.name] and not finished  # the signal's save left no temporary folder of its own
+
+    assert job.returncode == 0, output[-4000:]
     assert "starting from scratch" in output.split("attempt 1 of 2 exited")[0], "the first attempt: no good checkpoint"
     resumed, reference = results(out), results(uninterrupted)
-    assert resumed["resumed_from"] is not None and "step_" in resumed["resumed_from"]
-    assert TMP_PREFIX not in resumed["resumed_from"] and f"Resumed from {resumed['resumed_from']}" in output
+    assert resumed["resumed_from"] == str(saved) and TMP_PREFIX not in resumed["resumed_from"]
+    assert f"Resumed from {resumed['resumed_from']}" in output
     assert not half_written.exists(), "the next save of step_30 replaced the half-written folder"
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("step_", TMP_PREFIX))) == ["step_80", "step_90"]
     # Resume is deterministic, so the result is exact, not merely close.
@@ -158,11 +181,18 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
     assert resumed["global_step"] == 3 * 32 and resumed["samples_seen"] == 3 * 1024
 
 
-def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(data, uninterrupted, tmp_path):
+def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_launcher_restarts_the_resumed_run_exactly(
+        data, uninterrupted, tmp_path, another_job_on_port_29400):
     """Ctrl-C in a terminal: SIGINT to every process of the job (the launcher, torchrun's agent, which passes it on
     too, the workers). With --save_on_signal it stops as SIGTERM does (Slurm's preemption through the batch scripts:
     torchrun's agent forwards a SIGTERM sent to the launcher, tests/test_image_classifier.py): every process finishes
-    the same step and saves it, no traceback through our code, and the resumed run is exact."""
+    the same step and saves it, no traceback through our code.
+    The same command then resumes it under in-launcher restarts (--max_restarts with the c10d rendezvous), and a rank
+    of the resumed run is killed at its next checkpoint: the restarted attempt continues from a checkpoint, and the
+    run matches the uninterrupted one bit for bit. TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt a fresh
+    store; with the agent's shared store the restarted workers read the dead attempt's gloo addresses and fail
+    (Connection refused). PET_RDZV_ENDPOINT=localhost:0 puts the rendezvous store on a free port: port 29400 is taken
+    during this run."""
     out = tmp_path / "out"
     job = launch_in_background(["--data_dir", data, "--output_dir", out, *COMMON, "--save_on_signal"], num_processes=2,
                                start_new_session=True, preexec_fn=sigint_as_a_terminal_leaves_it)
@@ -183,10 +213,26 @@ def test_ctrl_c_saves_a_checkpoint_at_that_step_and_the_resumed_run_is_exact(dat
     assert json.loads((out / f"step_{step}" / "training_state.json").read_text())["global_step"] == step
     assert not (out / "results.json").exists() and not list(out.glob(".tmp-*"))
 
-    proc = launch(["--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"],
-                  num_processes=2)
-    assert f"Resumed from {saved}" in proc.stdout + proc.stderr
+    cmd = [*launcher_args(2), "--max_restarts", "1", "--rdzv_backend", "c10d", TRAIN_MNIST, "--cpu",
+           "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest"]
+    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                           "PET_RDZV_ENDPOINT": "localhost:0"}, start_new_session=True)
+    next_save = (step // 10 + 1) * 10
+    try:
+        _kill_rank_once_saved(job, out, next_save)
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:  # a failed wait: the launcher, its agent and the workers, one session
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, output[-4000:]
+    # the first attempt continues from the Ctrl-C's checkpoint, the restarted one from a checkpoint of its own
+    (first, restarted) = re.findall(r"^.*Resumed from (\S+):", output, flags=re.MULTILINE)
+    assert first == saved and restarted.startswith(str(out / "step_")), output[-4000:]
+    assert int(restarted[len(str(out / "step_")):]) >= next_save
     resumed, reference = results(out), results(uninterrupted)
+    assert resumed["resumed_from"] == restarted and resumed["samples_seen"] == reference["samples_seen"]
     assert (out / "model.safetensors").read_bytes() == (uninterrupted / "model.safetensors").read_bytes()
     for key in ("global_step", "samples_seen", "eval_accuracy", "eval_loss", "parameter_fingerprints"):
         assert resumed[key] == reference[key], key
@@ -296,41 +342,6 @@ def holder_pid(output_dir) -> int | None:
     """The pid that OUTPUT_DIR/run.lock names ("pid P on HOST since TIME"), or None while it names none."""
     found = re.match(r"pid (\d+) on ", (Path(output_dir) / "run.lock").read_text())
     return int(found[1]) if found else None
-
-
-def test_a_signal_to_one_process_stops_every_process_after_the_same_step(data, tmp_path):
-    """SIGTERM to rank 1's PID alone (one node's share of a preempted job, a `kill` by hand): Accelerate's trigger
-    tells rank 0, so both save the same step and exit with 128 + 15, at once. (A per-process stop would leave
-    rank 0 training while rank 1 waits in the save's barrier until --ddp_timeout.)"""
-    out, exits = tmp_path / "out", tmp_path / "exits"
-    # sample_recorder.py runs the script unchanged and writes each process's exit status to exits.rank{N}.exit
-    cmd = [*launcher_args(2), REPO / "tests" / "sample_recorder.py", TRAIN_MNIST, "--cpu", "--data_dir", data,
-           "--output_dir", out, "--epochs", "100", "--batch_size", "16", "--checkpointing_steps", "5",
-           "--save_on_signal", "--ddp_timeout", "60"]  # 100 epochs: it cannot finish before the signal lands
-    job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, errors="replace", env={**os.environ, "SAMPLE_LOG": str(exits)},
-                           start_new_session=True)
-    try:
-        wait_for_path(out / "step_5", job)
-        (rank_1,) = [p for p in training_processes(out) if p.environ().get("LOCAL_RANK") == "1"]
-        signalled = time.monotonic()
-        rank_1.send_signal(signal.SIGTERM)
-        output, _ = job.communicate(timeout=120)
-        took = time.monotonic() - signalled
-    finally:
-        if job.poll() is None:  # the launcher, its agent and the workers: one session
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
-    stopped = STOPPED_BY_SIGNAL.search(output)  # logged by rank 0, which got no signal
-    assert stopped, output[-3000:]
-    step = int(stopped[1])
-    assert took < 30, f"{took:.0f} s: ended by a timeout, not by the trigger"
-    assert [exits.with_name(f"exits.rank{rank}.exit").read_text() for rank in range(2)] == ["143", "143"]
-    assert job.returncode != 0  # the launcher reports its workers' failure
-    saved = out / f"step_{step}"
-    assert stopped[2] == str(saved) and json.loads((saved / "training_state.json").read_text())["global_step"] == step
-    assert {p.name for p in saved.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
-    assert not list(out.glob(".tmp-*")) and not (out / "results.json").exists()
 
 
 def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_path):

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -173,33 +174,59 @@ def test_gpu_subset_config_leaves_two_gpus_visible(tmp_path):
 # ---------------------------------------------------------------- sweep
 
 
-def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synthetic_mnist, tmp_path):
-    root = tmp_path / "sweep"
+@pytest.fixture(scope="module")
+def sweep_runs(synthetic_mnist, tmp_path_factory):
+    """One sweep of two grid points on accelerate_configs/cpu.yaml, its outputs read by the tests below: killed (the
+    sweep, its launcher and the training at once, as a lost machine or a job's time limit does) once the second run
+    has saved its step_4, then run again (the first run is done, the second resumes from its checkpoints), then once
+    more (both done). (cpu_2proc.yaml's group: two_jobs_on_a_busy_port.)"""
+    root = tmp_path_factory.mktemp("sweep_runs") / "sweep"
     base_port = free_consecutive_ports(2)
     cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.003,0.01",
-           "--config_file", CONFIG_DIR / "cpu_2proc.yaml", "--output_dir", root, "--main_process_port", base_port,
-           "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, *TRAIN_ARGS]
-    proc = run(cmd, timeout=300)
-    launched = [line for line in proc.stdout.splitlines() if " accelerate launch " in line]
-    assert [f"--main_process_port {base_port + i} " in line for i, line in enumerate(launched)] == [True, True]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0.")]
-    assert len(rows) == 2, proc.stdout
-    for row, learning_rate in zip(rows, (0.003, 0.01)):
+           "--config_file", CONFIG_DIR / "cpu.yaml", "--output_dir", root, "--main_process_port", base_port,
+           "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, *TRAIN_ARGS, "--checkpointing_steps", "4"]
+    interrupted_log = root.parent / "interrupted.log"
+    with interrupted_log.open("w") as log:  # a file, not a pipe: nothing drains it while the test waits
+        sweep = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # one process group: the sweep, its launcher, the training
+    try:
+        # the first run whole and the second to its step_4: twice the 240 s one run was given to reach a checkpoint
+        wait_for_path(root / "learning_rate_0.01" / "step_4", sweep, timeout=480)
+    finally:
+        os.killpg(sweep.pid, signal.SIGKILL)
+        sweep.wait()
+    finished_before_the_kill = (root / "learning_rate_0.01" / "results.json").exists()
+    resumed = run(cmd, timeout=300)  # 640 digits, 32 per step: 20 steps
+    done = run(cmd, timeout=60)
+    return SimpleNamespace(root=root, cmd=cmd, base_port=base_port, interrupted=interrupted_log.read_text(),
+                           finished_before_the_kill=finished_before_the_kill, resumed=resumed, done=done)
+
+
+def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(sweep_runs):
+    root, cmd = sweep_runs.root, sweep_runs.cmd
+    launched = [line for line in sweep_runs.interrupted.splitlines() if " accelerate launch " in line]
+    assert [f"--main_process_port {sweep_runs.base_port + i} " in line for i, line in enumerate(launched)] == [True, True]
+    assert all(f"--config_file {CONFIG_DIR / 'cpu.yaml'} " in line for line in launched), launched  # the argv it runs
+    (relaunched,) = [line for line in sweep_runs.resumed.stdout.splitlines() if " accelerate launch " in line]
+    assert relaunched.startswith("[2/2] ") and f"--main_process_port {sweep_runs.base_port + 1} " in relaunched
+    rows = [line for line in sweep_runs.resumed.stdout.splitlines() if line.startswith("| 0.")]
+    assert len(rows) == 2, sweep_runs.resumed.stdout
+    for row, learning_rate, status in zip(rows, (0.003, 0.01), ("done before", "ok")):
         r = results(root / f"learning_rate_{learning_rate}")
-        assert r["learning_rate"] == learning_rate and r["num_processes"] == 2 and r["eval_samples"] == 203
+        assert r["learning_rate"] == learning_rate and r["num_processes"] == 1 and r["eval_samples"] == 203
         cells = [cell.strip() for cell in row.strip("|").split("|")]
-        assert cells[:2] == [str(learning_rate), f"{r['eval_accuracy']:.4f}"] and cells[-1] == "ok"
+        assert cells[:2] == [str(learning_rate), f"{r['eval_accuracy']:.4f}"] and cells[-1] == status
     # the grid value reached the script: the two runs trained differently
     assert results(root / "learning_rate_0.003")["train_loss"] != results(root / "learning_rate_0.01")["train_loss"]
-    assert (root / "summary.md").read_text().strip() == "\n".join(proc.stdout.strip().splitlines()[-4:])
+    assert (root / "summary.md").read_text().strip() == "\n".join(sweep_runs.done.stdout.strip().splitlines()[-4:])
 
-    # Run again (as after an interruption): finished runs are not repeated.
-    again = run(cmd, timeout=60)
-    assert "accelerate launch" not in again.stdout and again.stdout.count("done before") == 2
+    # Run again once both finished: finished runs are not repeated.
+    assert "accelerate launch" not in sweep_runs.done.stdout and sweep_runs.done.stdout.count("done before") == 2
 
     # A changed fixed flag is another command: its finished runs are not reported as this one's, and nothing runs.
     summary = (root / "summary.md").read_text()
-    other = run([*cmd[:-len(TRAIN_ARGS)], *[("2" if arg == "1" else arg) for arg in TRAIN_ARGS]], check=False)
+    other = run([("2" if arg == "1" and previous == "--epochs" else arg) for previous, arg in zip(["", *cmd], cmd)],
+                check=False)
     assert other.returncode == 1 and "done before" not in other.stdout and "accelerate launch" not in other.stdout
     assert other.stderr.strip().splitlines() == [
         f"error: {root / 'learning_rate_0.003'} was run by another command (`--epochs 1` then, `--epochs 2` now): its "
@@ -207,24 +234,10 @@ def test_sweep_runs_each_grid_point_in_its_own_folder_and_tabulates_results(synt
     assert (root / "summary.md").read_text() == summary
 
 
-def test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints(synthetic_mnist, tmp_path):
-    root = tmp_path / "sweep"
-    cmd = [sys.executable, REPO / "scripts" / "sweep.py", "--grid", "learning_rate=0.01", "--config_file",
-           CONFIG_DIR / "cpu.yaml", "--output_dir", root, "--", TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist,
-           "--epochs", "1", "--batch_size", "32", "--checkpointing_steps", "4"]
-    trial = root / "learning_rate_0.01"
-    # The sweep, its launcher and the training killed at once (a lost machine, a job's time limit): one process group.
-    sweep = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    try:
-        wait_for_path(trial / "step_4", sweep, timeout=240)
-    finally:
-        os.killpg(sweep.pid, signal.SIGKILL)
-        sweep.wait()
-    assert not (trial / "results.json").exists(), "the run finished before it was interrupted: interrupt it sooner"
-
-    again = run(cmd, timeout=300)  # 640 digits, 32 per step: 20 steps
-    assert "(again: its last launch did not finish)" in again.stdout
+def test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints(sweep_runs):
+    trial = sweep_runs.root / "learning_rate_0.01"
+    assert not sweep_runs.finished_before_the_kill, "the run finished before it was interrupted: interrupt it sooner"
+    assert "(again: its last launch did not finish)" in sweep_runs.resumed.stdout
     log = (trial / "launch.log").read_text()
     assert "Resumed from" in log and f"{trial / 'step_'}" in log, log[-3000:]
     r = results(trial)
@@ -232,9 +245,11 @@ def test_an_interrupted_sweep_resumes_its_unfinished_run_from_its_checkpoints(sy
     # cpu.yaml forms the process group it promises (tests/test_configs.py's claim for it, not launched there again)
     assert r["num_processes"] == yaml.safe_load((CONFIG_DIR / "cpu.yaml").read_text()).get("num_processes", 1)
     assert len(r["parameter_fingerprints"]) == 1
-    assert [cell.strip() for cell in again.stdout.strip().splitlines()[-1].strip("|").split("|")][-1] == "ok"
+    assert [cell.strip() for cell in sweep_runs.resumed.stdout.strip().splitlines()[-1].strip("|").split("|")][-1] == "ok"
     # and once finished, it is done
-    assert run(cmd, timeout=60).stdout.count("done before") == 1
+    assert "accelerate launch" not in sweep_runs.done.stdout
+    assert [line.split("|")[-2].strip() for line in sweep_runs.done.stdout.splitlines() if line.startswith("| 0.01 ")] \
+        == ["done before"]
 
 
 def test_sweep_refuses_a_grid_flag_that_is_not_spelled_out(tmp_path):

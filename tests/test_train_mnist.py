@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MNIST_10K, launch, requires_mnist_10k, results, tensorboard_scalars
+from helpers import MNIST_10K, launch, requires_mnist_10k, results, run_alone, tensorboard_scalars
 from safetensors.torch import load_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
@@ -94,8 +94,12 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, 
     evaluations = {2: (trained["eval_accuracy"], trained["eval_loss"])}
     for n in (1, 3):
         out = tmp_path / f"eval_{n}"
-        launch(["--data_dir", MNIST_10K, "--output_dir", out, "--eval_only", "--resume_from_checkpoint",
-                trained_2proc / "epoch_2"], num_processes=n)
+        args = ["--data_dir", MNIST_10K, "--output_dir", out, "--eval_only", "--resume_from_checkpoint",
+                trained_2proc / "epoch_2"]
+        if n == 1:  # the script alone, as accelerate's one-process launcher runs it (launched: trained_1proc)
+            run_alone(args)
+        else:
+            launch(args, num_processes=n)
         r = json.loads((out / "eval_results.json").read_text())  # --eval_only's own file
         assert r["num_processes"] == n
         assert r["eval_samples"] == 2000
@@ -122,8 +126,9 @@ def test_resume_from_first_epoch_checkpoint_is_bit_exact(trained_2proc, tmp_path
 
 
 def test_bf16_on_cpu_learns_the_synthetic_digits(synthetic_mnist, tmp_path):
-    launch(["--data_dir", synthetic_mnist, "--output_dir", tmp_path, "--epochs", "2", "--batch_size", "32",
-            "--mixed_precision", "bf16"])
+    # the script alone: --mixed_precision is the script's flag, which the Accelerator takes over the launch config's
+    run_alone(["--data_dir", synthetic_mnist, "--output_dir", tmp_path, "--epochs", "2", "--batch_size", "32",
+               "--mixed_precision", "bf16"])
     r = results(tmp_path)
     assert r["mixed_precision"] == "bf16"
     assert r["eval_accuracy"] >= 0.9  # chance is 0.1
