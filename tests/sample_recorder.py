@@ -38,7 +38,6 @@ import os
 import runpy
 import signal
 import sys
-import time
 import zlib
 from pathlib import Path
 
@@ -184,21 +183,9 @@ def jobs_file(path, jobs) -> Path:
     return Path(path)
 
 
-def wait_for(pid: int, timeout: float) -> int:
-    """The child's exit status; killed past `timeout` (its DataLoader workers then stop on their own)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return -signal.SIGKILL
-
-
 def run_jobs(path) -> int:
     """--jobs PATH: each job in a child forked from this process (see the docstring above)."""
+    from snippet_batch import wait_for  # beside this file; not at the top: tests.sample_recorder:tiny_cnn imports this
     jobs = json.loads(Path(path).read_text())
     rank = os.environ.get("RANK", "0")
     for module in PRELOADED:
@@ -217,7 +204,7 @@ def run_jobs(path) -> int:
                 os.dup2(output.fileno(), 2)
             run_script(job["argv"])
             sys.exit(0)
-        status = wait_for(pid, job["timeout"])
+        status = wait_for(pid, job["timeout"])  # None: killed at its timeout
         as_expected &= (status != 0) == job.get("fails", False)
     return 0 if as_expected else 1
 

@@ -45,16 +45,18 @@ def run_snippet(entry: dict, rank: str, launcher_args: list) -> None:
     runpy.run_path(entry["snippet"], run_name="__main__")
 
 
-def wait_for(pid: int, timeout: float) -> str:
+def wait_for(pid: int, timeout: float):
+    """A forked child's exit code (negative: a signal), or None when it ran past `timeout` and was killed.
+    (Also used by tests/sample_recorder.py --jobs.)"""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
-            return str(os.waitstatus_to_exitcode(status))
+            return os.waitstatus_to_exitcode(status)
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    return "timeout"
+    return None
 
 
 def main() -> int:
@@ -73,7 +75,7 @@ def main() -> int:
             run_snippet(entry, rank, launcher_args)
             return 0
         status = wait_for(pid, entry["timeout"])
-        Path(entry["folder"], f"exit_status_{rank}").write_text(status)
+        Path(entry["folder"], f"exit_status_{rank}").write_text("timeout" if status is None else str(status))
     return 0
 
 
