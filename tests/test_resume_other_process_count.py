@@ -1,7 +1,12 @@
 """A run saved on 2 processes resumes on 1, 3 or 4 (a preemption, a smaller Slurm allocation):
 every sample of every epoch is trained once, the global batch and the schedule are kept, and
 where the global batch cannot be kept one `error:` line names flags that keep it. On 2 processes
-again, a mid-epoch resume with gradient accumulation is bit-exact."""
+again, a mid-epoch resume with gradient accumulation is bit-exact. `latest` skips a damaged checkpoint
+(issue 23: its launched check is on this file's resume on 1 process).
+
+The launches are shared: one uninterrupted run; its resume on 2 processes, which also saves the epoch_0 the
+epoch-boundary resumes start from; one launch per other resume. One-process resumes run the script alone
+(`python script.py`, as accelerate's one-process launcher runs it), bar step_2's, which stays launched."""
 
 import json
 import shutil
@@ -9,11 +14,13 @@ import shutil
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
-from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results
+from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results, run_alone
 from image_data import make_split_image_folder
 
+from utils.errors import UserError
+from utils.run.checkpoints import check_checkpoint
 from utils.run.progress import TrainingProgress
-from utils.run.resume import batches_to_skip
+from utils.run.resume import batches_to_skip, resolve_checkpoint
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 # 720 digits; 2 processes x 24 per batch x 3 accumulation steps = 144 samples per optimizer step:
@@ -55,31 +62,73 @@ def test_each_sample_is_trained_once_per_epoch_across_the_restart(num_processes,
 
 @pytest.fixture(scope="module")
 def saved_on_2(tmp_path_factory):
-    """One 2-process run with a checkpoint every 2 optimizer steps, one saving at every epoch's end."""
+    """The uninterrupted 2-process run, with a checkpoint every 2 optimizer steps ("steps"), and its resume from step_2
+    on 2 processes again ("resumed_on_2"), which saves at each epoch's end: its epoch_0 is saved on 2 processes, and is
+    the uninterrupted run's state there (the resume is bit-exact: the test below)."""
     data = make_synthetic_mnist(tmp_path_factory.mktemp("resume_data"), num_train=720, num_test=101)
-    runs = {}
-    for name, every in (("steps", "2"), ("epochs", "epoch")):
-        out = tmp_path_factory.mktemp(f"saved_{name}")
-        launch(["--data_dir", data, "--output_dir", out, *MNIST_RUN, "--checkpointing_steps", every], num_processes=2)
-        runs[name] = out
-    return data, runs
+    steps = tmp_path_factory.mktemp("saved_steps")
+    launch(["--data_dir", data, "--output_dir", steps, *MNIST_RUN, "--checkpointing_steps", "2"], num_processes=2)
+    resumed = tmp_path_factory.mktemp("resumed_on_2")
+    shutil.copytree(steps / "step_2", resumed / "step_2")
+    launch(["--data_dir", data, "--output_dir", resumed, *MNIST_RUN, "--checkpointing_steps", "epoch",
+            "--resume_from_checkpoint", "latest"], num_processes=2)
+    return data, {"steps": steps, "resumed_on_2": resumed}
 
 
-def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bit_exact(saved_on_2, tmp_path):
+def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bit_exact(saved_on_2):
     """step_2 is 6 of each process's 15 batches into epoch 0, accumulating over 3: resumed on 2 processes again, the
     run ends with the uninterrupted run's weights, bit for bit."""
-    data, runs = saved_on_2
-    shutil.copytree(runs["steps"] / "step_2", tmp_path / "step_2")
-    launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--resume_from_checkpoint", "latest"],
-           num_processes=2)
-    r, reference = results(tmp_path), results(runs["steps"])
+    _, runs = saved_on_2
+    resumed = runs["resumed_on_2"]
+    r, reference = results(resumed), results(runs["steps"])
     assert r["num_processes"] == 2 and r["gradient_accumulation_steps"] == 3 and r["resumed_from"].endswith("step_2")
     assert r["global_step"] == reference["global_step"] == 10 and r["samples_seen"] == reference["samples_seen"] == 1440
     assert r["parameter_fingerprints"] == reference["parameter_fingerprints"]
     assert r["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-12)
     assert (r["eval_accuracy"], r["eval_loss"]) == (reference["eval_accuracy"], reference["eval_loss"])
     # last: where the weights differ, pytest's explanation of two unequal 120 kB byte strings takes many minutes
-    assert (tmp_path / "model.safetensors").read_bytes() == (runs["steps"] / "model.safetensors").read_bytes()
+    assert (resumed / "model.safetensors").read_bytes() == (runs["steps"] / "model.safetensors").read_bytes()
+
+
+def _truncate_optimizer(checkpoint):
+    with open(checkpoint / "optimizer.bin", "r+b") as f:
+        f.truncate(1000)  # as a full disk or a copy cut short leaves it
+
+
+@pytest.fixture(scope="module")
+def step_2_resumed_on_1(saved_on_2, tmp_path_factory):
+    """step_2 resumed by `latest` on 1 process (launched), with the uninterrupted run's step_4 beside it, truncated:
+    `latest` skips it, and this run saves it again (--checkpointing_steps 2). Two tests read it."""
+    data, runs = saved_on_2
+    out = tmp_path_factory.mktemp("step_2_on_1")
+    for name in ("step_2", "step_4"):
+        shutil.copytree(runs["steps"] / name, out / name)
+    _truncate_optimizer(out / "step_4")
+    proc = launch(["--data_dir", data, "--output_dir", out, *MNIST_RUN, "--checkpointing_steps", "2",
+                   "--resume_from_checkpoint", "latest"], num_processes=1)
+    return proc, out
+
+
+def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(saved_on_2, step_2_resumed_on_1, tmp_path):
+    proc, out = step_2_resumed_on_1
+    log = proc.stdout + proc.stderr
+    # one warning line, in the run's log format (time, level, message)
+    skipped = [line.split(" WARNING ", 1)[1] for line in log.splitlines() if "skipping damaged checkpoint" in line]
+    assert skipped == ["--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (optimizer.bin has 1000 "
+                       f"bytes, 241361 when saved); resuming from {out / 'step_2'}"], log
+    assert f"Resumed from {out / 'step_2'}: epoch 0, step 2, 288 samples into the epoch" in log
+    assert check_checkpoint(out / "step_4") is None  # saved again by the resumed run
+
+    # Named, it is refused before anything loads. Asked in-process: the script's one line for a damaged checkpoint
+    # named is launched by test_errors.py::test_resume_from_corrupt_checkpoint.
+    _, runs = saved_on_2
+    for name in ("step_2", "step_4"):
+        shutil.copytree(runs["steps"] / name, tmp_path / name)
+    _truncate_optimizer(tmp_path / "step_4")
+    with pytest.raises(UserError) as refused:
+        resolve_checkpoint(str(tmp_path / "step_4"), tmp_path)
+    assert str(refused.value) == (f"checkpoint {tmp_path / 'step_4'} is damaged (optimizer.bin has 1000 bytes, 241361 "
+                                  f"when saved); resume from the newest good one, {tmp_path / 'step_2'}")
 
 
 @pytest.mark.parametrize("checkpoint, num_processes, flags, accumulation", [
@@ -89,13 +138,16 @@ def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bi
     # the end of epoch 0 (on 1 process OneCycleLR's restored schedule used to overrun here)
     ("epoch_0", 1, [], 6), ("epoch_0", 3, [], 2),
 ])
-def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, tmp_path, checkpoint, num_processes, flags,
-                                                            accumulation):
+def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, request, tmp_path, checkpoint, num_processes,
+                                                            flags, accumulation):
     data, runs = saved_on_2
-    source = runs["steps" if checkpoint.startswith("step") else "epochs"]
-    shutil.copytree(source / checkpoint, tmp_path / checkpoint)
-    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, *flags, "--resume_from_checkpoint",
-                   "latest"], num_processes=num_processes)
+    source = runs["steps" if checkpoint.startswith("step") else "resumed_on_2"]
+    if (checkpoint, num_processes) == ("step_2", 1):  # launched once, for the damaged-checkpoint test too
+        proc, tmp_path = request.getfixturevalue("step_2_resumed_on_1")
+    else:
+        shutil.copytree(source / checkpoint, tmp_path / checkpoint)
+        args = ["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, *flags, "--resume_from_checkpoint", "latest"]
+        proc = run_alone(args) if num_processes == 1 else launch(args, num_processes=num_processes)
     r, reference = results(tmp_path), results(source)
     assert r["num_processes"] == num_processes and r["resumed_from"].endswith(checkpoint)
     assert r["gradient_accumulation_steps"] == accumulation
@@ -115,8 +167,9 @@ def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, tmp_path
 def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(saved_on_2, tmp_path):
     data, runs = saved_on_2
     shutil.copytree(runs["steps"] / "step_2", tmp_path / "step_2")
-    proc = launch(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--batch_size", "40",
-                   "--resume_from_checkpoint", "latest"], num_processes=1, check=False)
+    # refused before training: the script alone (a resume's refusal is launched by test_errors.py)
+    proc = run_alone(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--batch_size", "40",
+                      "--resume_from_checkpoint", "latest"], check=False)
     # 144 samples on 1 process: 40 does not divide them, 36 x 4 does
     assert_clean_user_error(proc, "global batch is 144", "--batch_size 36 --gradient_accumulation_steps 4")
     assert not (tmp_path / "results.json").exists()
@@ -133,8 +186,7 @@ def test_train_image_classifier_resumes_mid_epoch_on_one_process(tmp_path_factor
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(saved / "step_3", resumed / "step_3")
-    launch([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], num_processes=1,
-           script=CLASSIFIER)
+    run_alone([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], script=CLASSIFIER)
     r, reference = results(resumed), results(saved)
     assert r["num_processes"] == 1 and r["gradient_accumulation_steps"] == 4
     assert r["global_step"] == r["lr_scheduler_steps"] == reference["global_step"] == 2 * 7
