@@ -80,7 +80,8 @@ def launch(script_args, num_processes: int = 1, config_file=None, script=TRAIN_M
 def run_alone(script_args, script=TRAIN_MNIST, **kwargs):
     """python SCRIPT --cpu ARGS: one process, without `accelerate launch` (a process of its own) around it, as
     accelerate's one-process launcher would run it. For what a script decides before it trains (a refusal, nothing
-    left to train, a lock), where a launched test checks the same kind of decision: half the processes."""
+    left to train, a lock), where a launched test checks the same kind of decision, and for a one-process run whose
+    launched form another test makes (the launcher adds only a process around it): half the processes."""
     return run([sys.executable, script, "--cpu", *script_args], **kwargs)
 
 
