@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
-from helpers import MNIST_10K, REPO, requires_mnist_10k, results, run_alone
+from helpers import MNIST_10K, REPO, launch, requires_mnist_10k, results
 from PIL import Image
 from torchvision.transforms import v2
 
@@ -124,10 +124,8 @@ def test_the_small_stem_on_a_model_that_is_not_a_resnet_is_one_error():
 def test_real_digits_at_16_px_with_the_default_flags_name_their_recipe_and_learn(tmp_path):
     """Real handwritten digits as an image folder (320 to train, 200 to evaluate) at 16 px, which gets the small
     recipe and stem as 32 px does, at a quarter of the compute: AdamW for a quick start (SGD's default warmup needs
-    more steps than a test can pay for), batches of 16, 60 steps in 3 epochs, on one process: the script alone, as
-    accelerate's 1-process launcher runs it (what is tested here is the recipe and that it learns, not a launch: one
-    process instead of a launcher and two). Measured: MEASURED (2 processes x 8: 77.5% in 35 CPU-seconds; at 32 px,
-    2 epochs: 69.5% in 59). docs/benchmarks/cpu_image_recipes has the full measurement at 32 px
+    more steps than a test can pay for), batches of 8, 60 steps in 3 epochs. Measured: 77.5% in 35 CPU-seconds
+    (at 32 px, 2 epochs: 69.5% in 59). docs/benchmarks/cpu_image_recipes has the full measurement at 32 px
     (8,000 digits, the default SGD: 98.9%)."""
     splits = load_mnist_idx(MNIST_10K)
     for split, folder, count in (("train", "train", 320), ("test", "val", 200)):
@@ -137,9 +135,9 @@ def test_real_digits_at_16_px_with_the_default_flags_name_their_recipe_and_learn
             class_folder.mkdir(parents=True, exist_ok=True)
             Image.fromarray(images[i].numpy()).save(class_folder / f"{i}.png")
     out = tmp_path / "out"
-    run_alone(["--data_dir", tmp_path / "digits", "--output_dir", out, "--model", "resnet18", "--image_size", "16",
-               "--epochs", "3", "--batch_size", "16", "--num_workers", "0", "--optimizer", "adamw",
-               "--warmup_epochs", "0"], script=CLASSIFIER)
+    launch(["--data_dir", tmp_path / "digits", "--output_dir", out, "--model", "resnet18", "--image_size", "16",
+            "--epochs", "3", "--batch_size", "8", "--num_workers", "0", "--optimizer", "adamw",
+            "--warmup_epochs", "0"], num_processes=2, script=CLASSIFIER)
     r = results(out)
     assert (r["augmentation"], r["hflip"], r["stem"]) == ("small", False, "small")
     assert r["eval_samples"] == 200 and r["eval_accuracy"] >= 0.6, r["eval_accuracy"]  # chance: 0.1
