@@ -3,10 +3,11 @@ unused parameter, and a probe that reports what DDP actually did.
 
 The probe runs as the launched script (`accelerate launch tests/image_data.py SCRIPT ARGS`):
 it patches DistributedDataParallel to remember the instance (and, if asked, to count the
-gradient all-reduces with a comm hook), runs SCRIPT unchanged, and writes one JSON file per
-rank to $DDP_PROBE_OUT.{rank}. The training script stays free of test code.
+gradient all-reduces, through the script's own comm hook or DDP's plain all-reduce where it registers
+none), runs SCRIPT unchanged, and writes one JSON file per rank to $DDP_PROBE_OUT.{rank}. The training script stays free of test code.
 """
 
+import functools
 import json
 import os
 import runpy
@@ -147,26 +148,37 @@ def run_with_ddp_probe(argv) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
-    seen = {"ddp": None, "synced_backward_passes": 0, "input_channels_last": []}
+    seen = {"ddp": None, "synced_backward_passes": 0, "input_channels_last": [], "hook_registered": False}
+    count_allreduce = os.environ.get("DDP_PROBE_COUNT_ALLREDUCE") == "1"
     original_init = DistributedDataParallel.__init__
+    original_register_comm_hook = DistributedDataParallel.register_comm_hook
 
-    def counting_allreduce(process_group, bucket):
-        if bucket.is_last():  # one call per bucket; the last bucket closes one synchronised backward
-            seen["synced_backward_passes"] += 1
-        return default_hooks.allreduce_hook(process_group, bucket)
+    def counting(hook):
+        @functools.wraps(hook)  # its name too: DDP reports the hook by its __qualname__
+        def counted(state, bucket):
+            if bucket.is_last():  # one call per bucket; the last bucket closes one synchronised backward
+                seen["synced_backward_passes"] += 1
+            return hook(state, bucket)
+        return counted
+
+    def patched_register_comm_hook(self, state, hook):
+        # the script's own hook (--ddp_comm_hook), counted as it is: a run can be counted and compressed at once
+        seen["hook_registered"] = True
+        return original_register_comm_hook(self, state, counting(hook) if count_allreduce else hook)
+
+    def before_each_forward(module, inputs):
+        # the first forward, and the script registered no hook: DDP's plain all-reduce, counted
+        if count_allreduce and not seen["hook_registered"] and seen.get("ddp") is not None:
+            patched_register_comm_hook(seen["ddp"], None, default_hooks.allreduce_hook)
+        seen["input_channels_last"].append(inputs[0].is_contiguous(memory_format=torch.channels_last))
 
     def patched_init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         seen["ddp"] = self
-        if os.environ.get("DDP_PROBE_COUNT_ALLREDUCE") == "1":
-            self.register_comm_hook(state=None, hook=counting_allreduce)
-        self.module.register_forward_pre_hook(
-            lambda module, inputs: seen["input_channels_last"].append(
-                inputs[0].is_contiguous(memory_format=torch.channels_last)
-            )
-        )
+        self.module.register_forward_pre_hook(before_each_forward)
 
     DistributedDataParallel.__init__ = patched_init
+    DistributedDataParallel.register_comm_hook = patched_register_comm_hook
     report = {"ddp_wrapped": False}
 
     def read_ddp():

@@ -1,23 +1,20 @@
 """--gradient_checkpointing (utils/models.py): the same gradients and BatchNorm statistics as without it, less peak
-memory, under DDP too; one error line for models it does not know. The DDP pair also carries
-train_image_classifier.py's step schedule (issue 23, see test_lr_schedules.py): one launch fewer."""
+memory; one error line for models it does not know. Under DDP, launched: test_image_classifier.py's
+test_ddp_training_with_gradient_checkpointing_ends_with_the_weights_of_training_without_it, whose run resumed with it
+must end bit for bit as the run without it (a pair of launches that test_image_classifier.py makes anyway for its
+resume; train_image_classifier.py's step schedule, issue 23, rides on that pair too)."""
 
 import copy
 import json
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import pytest
 import torch
 import torchvision
-from helpers import REPO, launch, results, run
-from image_data import make_split_image_folder
+from helpers import REPO, run
 
 from utils.errors import UserError
 from utils.models import ConvNet, build_model, use_gradient_checkpointing
-
-SCRIPT = REPO / "scripts" / "train_image_classifier.py"
 
 
 def one_training_step(model, images, labels, seed=1):
@@ -95,43 +92,3 @@ def test_a_resnet50_step_needs_far_less_peak_memory_on_the_cpu():
     peak = json.loads(run([sys.executable, "-c", PEAK_MEMORY], env=env).stdout)
     print(f"resnet50, 16 x 128 px, one step: {peak['off']:.0f} MiB without, {peak['on']:.0f} MiB with")
     assert peak["on"] < 0.8 * peak["off"], peak  # measured here: 300 against 500 MiB
-
-
-@pytest.fixture(scope="module")
-def ddp_pair(tmp_path_factory):
-    """train_image_classifier.py on 2 processes, without and with --gradient_checkpointing, side by side (a launch this
-    small leaves the cores idle much of the time: see test_fsdp.py's side_by_side). 64 images, 2 x 8 per step: 4 steps
-    per epoch, 12 in 3 epochs, under the step schedule after the default 1 warmup epoch."""
-    root = tmp_path_factory.mktemp("checkpointing_ddp")
-    data = make_split_image_folder(root / "data", train_per_class=16, val_per_class=4)
-    flags = ["--data_dir", data, "--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer",
-             "adamw", "--learning_rate", "0.002", "--lr_scheduler_type", "step", "--num_workers", "0",
-             "--batch_size", "8", "--epochs", "3"]
-    modes = {"plain": [], "checkpointed": ["--gradient_checkpointing"]}
-    with ThreadPoolExecutor(len(modes)) as pool:
-        for future in [pool.submit(partial(launch, [*map(str, flags), "--output_dir", str(root / mode), *extra],
-                                           num_processes=2, script=SCRIPT)) for mode, extra in modes.items()]:
-            future.result()
-    return root
-
-
-def test_ddp_training_with_it_ends_with_the_weights_of_training_without_it(ddp_pair):
-    plain, checkpointed = results(ddp_pair / "plain"), results(ddp_pair / "checkpointed")
-    assert checkpointed["num_processes"] == 2 and checkpointed["gradient_checkpointing"] is True
-    assert plain["global_step"] == checkpointed["global_step"] == 3 * 64 // 16
-    assert checkpointed["parameter_fingerprints"] == plain["parameter_fingerprints"]  # both ranks, bit for bit
-    assert checkpointed["buffer_fingerprints"] == plain["buffer_fingerprints"]  # BatchNorm statistics too
-    assert checkpointed["eval_loss"] == plain["eval_loss"]
-
-
-def test_train_image_classifier_step_schedule_ends_at_a_hundredth(ddp_pair):
-    """(test_lr_schedules.py's claim, on this module's DDP pair.) 4 classes x 16 images = 64, 2 processes x 8 x 1:
-    4 steps per epoch, 12 in 3 epochs; 1 warmup epoch, then a tenth after each third of the other 8 steps: the last
-    step's rate is a hundredth of the peak."""
-    for mode in ("plain", "checkpointed"):
-        out = ddp_pair / mode
-        r = results(out)
-        assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 12, mode
-        # after 12 steps: 4 of warmup, then 8 more (3 * 8 // 8 = 3 thirds passed; the decay stops at a hundredth)
-        assert r["current_learning_rate"] == pytest.approx(0.002 / 100), mode
-        assert json.loads((out / "run.json").read_text())["lr_scheduler_type"] == "step", mode

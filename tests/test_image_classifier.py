@@ -83,23 +83,30 @@ def trained_split_1proc(split_folder, tmp_path_factory):
     return out
 
 
+# The model with an unused head (tests/image_data.py), for --find_unused_parameters: the flat run's, and so its
+# checkpoint's in the evaluations of test_one_checkpoint_...
+UNUSED_HEAD = ["--model", "tests.image_data:resnet_with_unused_head"]
+
+
 @pytest.fixture(scope="module")
 def stopped_and_resumed_flat_2proc(flat_folder, tmp_path_factory):
     """One 2-process run of 3 epochs (7 steps each) in two launches, as a preempted job runs: a SIGTERM after epoch 0's
     checkpoint stops it (--save_on_signal), with its DataLoader worker alive (persistent); then it resumes from the
-    checkpoint the signal saved. A resume trains what the uninterrupted run would have, bit for bit
-    (test_gradient_accumulation_...): the finished run stands for a plain one in the tests that read it.
-    Returns (the output folder, the stopped launch's output and exit status)."""
+    checkpoint the signal saved, under the DDP probe. A resume trains what the uninterrupted run would have, bit for bit
+    (test_gradient_accumulation_...): the finished run stands for a plain one in the tests that read it. It also
+    carries --find_unused_parameters on a model with an unused head and the bf16 --ddp_comm_hook (one launch fewer
+    each; neither is part of what a resume must keep). Returns (the output folder, the stopped launch's output and
+    exit status, the probe's report per rank of the resumed launch)."""
     out = tmp_path_factory.mktemp("flat_2proc")
-    args = [*FAST, "--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
-            "--checkpointing_steps", "epoch"]
-    job = launch_in_background([*args, "--save_on_signal"], num_processes=2, script=SCRIPT)
+    args = ["--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
+            "--checkpointing_steps", "epoch", *UNUSED_HEAD, "--find_unused_parameters", "--ddp_comm_hook", "bf16"]
+    job = launch_in_background([*FAST, *args, "--save_on_signal"], num_processes=2, script=SCRIPT)
     # start-up, a whole epoch and its evaluation: more than the default 120 s (for a step) on a loaded machine
     wait_for_path(out / "epoch_0", job, timeout=300)
     job.send_signal(signal.SIGTERM)
     output, _ = job.communicate(timeout=120)
-    launch([*args, "--resume_from_checkpoint", "latest"], num_processes=2, script=SCRIPT)
-    return out, output, job.returncode
+    reports = train_with_probe([*args, "--resume_from_checkpoint", "latest"], 2, out / "probe")
+    return out, output, job.returncode, reports
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +178,12 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
     evaluations = {2: trained}
     for n in (1, 3):
         out = tmp_path / f"eval_{n}"
-        train(["--data_dir", flat_folder, "--output_dir", out, "--eval_only", "--resume_from_checkpoint", checkpoint],
-              num_processes=n)
+        args = [*FAST, *UNUSED_HEAD, "--data_dir", flat_folder, "--output_dir", out, "--eval_only",
+                "--resume_from_checkpoint", checkpoint]
+        if n == 1:  # the script alone: what accelerate's 1-process launcher runs (test_train_val_... launches one)
+            run_alone(args, script=SCRIPT)
+        else:
+            launch(args, num_processes=n, script=SCRIPT)
         r = json.loads((out / "eval_results.json").read_text())  # --eval_only's own file
         assert r["num_processes"] == n
         assert r["eval_samples"] == 60  # 60 over 3 x 16 leaves a padded last batch: dropped again
@@ -188,17 +199,40 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
         assert r["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
 
 
-# ---------------------------------------------------------------- accumulation and resume
+# ---------------------------------------------------------------- accumulation, resume, checkpointing, Hub-style data
 
 
-def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_between(split_folder, tmp_path):
-    # 128 images / (2 processes x 8) = 8 batches per process and epoch = 4 optimizer steps
-    out = tmp_path / "full"
-    common = ["--data_dir", split_folder, "--max_train_samples", "128", "--batch_size", "8", "--epochs", "2",
-              "--gradient_accumulation_steps", "2"]
+@pytest.fixture(scope="module")
+def accumulated_and_resumed(tmp_path_factory):
+    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub serves them) with
+    CIFAR-100-like columns "img" / "fine_label" and a test split, 128 images to train, on 2 processes with
+    --gradient_accumulation_steps 2, the fp16 --ddp_comm_hook, --channels_last and the step schedule, gradient
+    all-reduces counted by the probe; then the same run resumed from its step 3 with --gradient_checkpointing. (One
+    pair of launches for accumulation, resume, checkpointing, the schedule, the Hub-style columns and the fp16 hook.)
+    Returns (the full run's folder, its reports, the resumed run's folder, its reports)."""
+    root = tmp_path_factory.mktemp("accumulated")
+    data = make_parquet_dataset(root / "parquet", train_per_class=32)
+    # 128 images / (2 processes x 8) = 8 batches per process and epoch = 4 optimizer steps; 1 warmup epoch
+    common = ["--dataset", data, "--max_eval_samples", "33", "--batch_size", "8", "--epochs", "2",
+              "--gradient_accumulation_steps", "2", "--ddp_comm_hook", "fp16", "--channels_last",
+              "--learning_rate", "0.002", "--lr_scheduler_type", "step", "--warmup_epochs", "1"]
+    out = root / "full"
     # two persistent DataLoader workers per process: they must see set_epoch(1) for the second epoch
     reports = train_with_probe([*common, "--output_dir", out, "--checkpointing_steps", "3", "--num_workers", "2"], 2,
-                               tmp_path / "probe", count_allreduce=True)
+                               root / "probe", count_allreduce=True)
+    # Resume mid-epoch 0 (step 3 = 6 of 8 batches), loading in the main process this time: the augmentations are
+    # seeded per (seed, epoch, sample), so the result is bit-identical anyway; with --gradient_checkpointing, which
+    # changes no gradient nor BatchNorm statistic (test_gradient_checkpointing.py), so bit-identical still.
+    resumed = root / "resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "step_3", resumed / "step_3")
+    resumed_reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest",
+                                        "--gradient_checkpointing"], 2, root / "probe_resumed", count_allreduce=True)
+    return out, reports, resumed, resumed_reports
+
+
+def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_between(accumulated_and_resumed):
+    out, reports, resumed, resumed_reports = accumulated_and_resumed
     r = results(out)
     assert r["global_step"] == r["lr_scheduler_steps"] == 2 * 4
     assert r["samples_seen"] == 2 * 128
@@ -210,16 +244,9 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
     assert torch.load(out / "step_6" / "scheduler.bin", weights_only=True)["last_epoch"] == 6
     assert len(set(r["parameter_fingerprints"])) == 1
 
-    # Resume mid-epoch 0 (step 3 = 6 of 8 batches), loading in the main process this time: the
-    # augmentations are seeded per (seed, epoch, sample), so the result is bit-identical anyway.
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "step_3", resumed / "step_3")
-    reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], 2,
-                               tmp_path / "probe_resumed", count_allreduce=True)
     rr = results(resumed)
     assert rr["resumed_from"].endswith("step_3")
-    assert [rep["synced_backward_passes"] for rep in reports] == [5, 5]  # steps 4 to 8
+    assert [rep["synced_backward_passes"] for rep in resumed_reports] == [5, 5]  # steps 4 to 8
     assert (resumed / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
     assert rr["global_step"] == rr["lr_scheduler_steps"] == 8 and rr["samples_seen"] == 2 * 128
     assert rr["parameter_fingerprints"] == r["parameter_fingerprints"]
@@ -227,31 +254,55 @@ def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_bet
     assert (rr["eval_accuracy"], rr["eval_loss"]) == (r["eval_accuracy"], r["eval_loss"])
 
 
+def test_ddp_training_with_gradient_checkpointing_ends_with_the_weights_of_training_without_it(
+        accumulated_and_resumed):
+    """(test_gradient_checkpointing.py's DDP claim, on this module's resumed run: steps 4 to 8 with it.)"""
+    out, _, resumed, _ = accumulated_and_resumed
+    plain, checkpointed = results(out), results(resumed)
+    assert checkpointed["num_processes"] == 2 and checkpointed["gradient_checkpointing"] is True
+    assert plain["gradient_checkpointing"] is False
+    assert plain["global_step"] == checkpointed["global_step"] == 2 * 128 // 32
+    assert checkpointed["parameter_fingerprints"] == plain["parameter_fingerprints"]  # both ranks, bit for bit
+    assert checkpointed["buffer_fingerprints"] == plain["buffer_fingerprints"]  # BatchNorm statistics too
+    assert checkpointed["eval_loss"] == plain["eval_loss"]
+
+
+def test_train_image_classifier_step_schedule_ends_at_a_hundredth(accumulated_and_resumed):
+    """(test_lr_schedules.py's claim, on this module's accumulation pair.) 128 images, 2 processes x 8 x 2 accumulated:
+    4 steps per epoch, 8 in 2 epochs; 1 warmup epoch, then a tenth after each third of the other 4 steps: the last
+    step's rate is a hundredth of the peak."""
+    out, _, resumed, _ = accumulated_and_resumed
+    for folder in (out, resumed):
+        r = results(folder)
+        assert r["num_processes"] == 2 and r["global_step"] == r["lr_scheduler_steps"] == 8, folder
+        # after 8 steps: 4 of warmup, then 4 more (3 * 4 // 4 = 3 thirds passed; the decay stops at a hundredth)
+        assert r["current_learning_rate"] == pytest.approx(0.002 / 100), folder
+        assert json.loads((folder / "run.json").read_text())["lr_scheduler_type"] == "step", folder
+
+
+def test_hub_style_dataset_with_other_column_names_is_detected(accumulated_and_resumed):
+    out = accumulated_and_resumed[0]
+    r = results(out)
+    assert r["eval_samples"] == 33 and r["train_size"] == 128
+    assert r["class_names"] == list(CLASSES)  # the ClassLabel's own order, not re-sorted
+    assert r["global_step"] == 2 * 128 // (2 * 8 * 2)
+
+
 # ---------------------------------------------------------------- DDP switches (2 CPU processes)
 
 
-@pytest.fixture(scope="module")
-def unused_head_run(split_folder, tmp_path_factory):
-    """--find_unused_parameters on a model with an unused head, gradients all-reduced in bf16 (--ddp_comm_hook): one
-    2-process launch for both switches. Returns (the output folder, the probe's report per rank)."""
-    out = tmp_path_factory.mktemp("unused_head")
-    reports = train_with_probe(["--data_dir", split_folder, "--output_dir", out, "--epochs", "1",
-                                "--max_train_samples", "64", "--model", "tests.image_data:resnet_with_unused_head",
-                                "--find_unused_parameters", "--ddp_comm_hook", "bf16"], 2, out / "probe")
-    return out, reports
-
-
 # No launch of their own (a launch of 2 processes costs ~20 s of start-up): fp16 with --channels_last is the
-# Hub-style dataset's run, bf16 the --find_unused_parameters run. Per run: its steps, evaluated samples, first conv.
+# accumulation run's (its hook counted by the probe as it runs), bf16 the flat run's. Per run: its steps, evaluated
+# samples, first conv.
 @pytest.mark.parametrize("precision, channels_last", [("fp16", True), ("bf16", False)])
 def test_ddp_comm_hook_compresses_gradients_on_gloo_and_channels_last_reaches_the_convolutions(
         precision, channels_last, request):
     if precision == "bf16":
-        out, reports = request.getfixturevalue("unused_head_run")
-        steps, eval_samples, first_conv = 64 // 32, 80, "backbone.conv1.weight"
+        out, _, _, reports = request.getfixturevalue("stopped_and_resumed_flat_2proc")
+        steps, eval_samples, first_conv = 3 * 7, 60, "backbone.conv1.weight"
     else:
-        out, reports = request.getfixturevalue("hub_style_run")
-        steps, eval_samples, first_conv = 120 // 32, 33, "conv1.weight"
+        out, reports, _, _ = request.getfixturevalue("accumulated_and_resumed")
+        steps, eval_samples, first_conv = 2 * 128 // 32, 33, "conv1.weight"
     assert [rep["comm_hook"] for rep in reports] == [f"{precision}_compress_hook"] * 2  # as DDP itself reports it
     for rep in reports:  # the weights, and the train and eval batches
         assert rep["weights_channels_last"] == channels_last and rep["inputs_channels_last"] == [channels_last]
@@ -262,11 +313,11 @@ def test_ddp_comm_hook_compresses_gradients_on_gloo_and_channels_last_reaches_th
     assert load_file(out / "model.safetensors")[first_conv].is_contiguous()
 
 
-def test_find_unused_parameters_trains_a_model_with_an_unused_head(unused_head_run):
-    out, reports = unused_head_run
+def test_find_unused_parameters_trains_a_model_with_an_unused_head(stopped_and_resumed_flat_2proc):
+    out, _, _, reports = stopped_and_resumed_flat_2proc
     assert [rep["find_unused_parameters"] for rep in reports] == [True, True]
     r = results(out)
-    assert r["global_step"] == 2 and len(set(r["parameter_fingerprints"])) == 1
+    assert r["global_step"] == 3 * 7 and len(set(r["parameter_fingerprints"])) == 1
     weights = load_file(out / "model.safetensors")
     assert torch.equal(weights["unused_head.weight"], torch.full((4, 512), 0.5))  # never updated
     assert not torch.equal(weights["backbone.fc.bias"], torch.zeros(4))
@@ -281,7 +332,7 @@ def test_unused_parameter_without_the_flag_names_the_parameters(split_folder, tm
 
 def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the_counts(stopped_and_resumed_flat_2proc):
     """torchrun signals each worker's whole process group: the DataLoader workers must not die of it."""
-    out, output, returncode = stopped_and_resumed_flat_2proc
+    out, output, returncode, _ = stopped_and_resumed_flat_2proc
     stopped = STOPPED_BY_SIGNAL.search(output)
     assert returncode != 0 and stopped, output[-3000:]
     assert "DataLoader worker" not in output, output[-3000:]
@@ -300,31 +351,6 @@ def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_pa
     proc = run_alone([*FAST, "--data_dir", split_folder, "--output_dir", out, "--sync_bn"], script=SCRIPT, check=False)
     assert_clean_user_error(proc, "--sync_bn", "GPU")
     assert not out.exists()
-
-
-# ---------------------------------------------------------------- Hub-style datasets
-
-
-@pytest.fixture(scope="module")
-def hub_style_run(tmp_path_factory):
-    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub serves them) with
-    CIFAR-100-like columns "img" / "fine_label" and a test split, on 2 processes with the fp16 --ddp_comm_hook and
-    --channels_last (test_ddp_comm_hook_... reads those). Returns (the output folder, the probe's report per rank)."""
-    root = tmp_path_factory.mktemp("hub_style")
-    data = make_parquet_dataset(root / "parquet")
-    out = root / "out"
-    reports = train_with_probe(["--dataset", data, "--output_dir", out, "--epochs", "1", "--max_eval_samples", "33",
-                                "--ddp_comm_hook", "fp16", "--channels_last", "--checkpointing_steps", "epoch"], 2,
-                               root / "probe")
-    return out, reports
-
-
-def test_hub_style_dataset_with_other_column_names_is_detected(hub_style_run):
-    out, _ = hub_style_run
-    r = results(out)
-    assert r["eval_samples"] == 33 and r["train_size"] == 120
-    assert r["class_names"] == list(CLASSES)  # the ClassLabel's own order, not re-sorted
-    assert r["global_step"] == 120 // (2 * 16)
 
 
 # ---------------------------------------------------------------- units (no launch)
