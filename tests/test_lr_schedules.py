@@ -3,7 +3,7 @@ real runs of both scripts, the schedule counted in optimizer steps (2 processes)
 run.json, is checked on launches other modules make anyway (two launches fewer): train_mnist.py's onecycle with
 --warmup_steps and gradient accumulation on test_training_features.py's early-stopped run
 (test_train_mnist_counts_the_schedule_in_optimizer_steps), train_image_classifier.py's step schedule ending at a
-hundredth on test_gradient_checkpointing.py's DDP pair (test_train_image_classifier_step_schedule_ends_at_a_hundredth)."""
+hundredth on test_image_classifier.py's accumulation pair (test_train_image_classifier_step_schedule_ends_at_a_hundredth)."""
 
 import math
 
