@@ -81,8 +81,11 @@ def run_alone(script_args, script=TRAIN_MNIST, **kwargs):
     """python SCRIPT --cpu ARGS: one process, without `accelerate launch` (a process of its own) around it, as
     accelerate's one-process launcher would run it. For what a script decides before it trains (a refusal, nothing
     left to train, a lock), where a launched test checks the same kind of decision, and for a one-process run whose
-    launched form another test makes (the launcher adds only a process around it): half the processes."""
-    return run([sys.executable, script, "--cpu", *script_args], **kwargs)
+    launched form another test makes (the launcher adds only a process around it): half the processes. With the one
+    thread per process that the launcher gives (OMP_NUM_THREADS=1): other thread counts sum in another order, and
+    the last bits of a loss differ from a launched run's."""
+    env = {"OMP_NUM_THREADS": "1", **(kwargs.pop("env", None) or {})}
+    return run([sys.executable, script, "--cpu", *script_args], env=env, **kwargs)
 
 
 def launch_in_background(script_args, num_processes: int = 1, script=TRAIN_MNIST, **popen) -> subprocess.Popen:

@@ -118,8 +118,10 @@ def predict(model_dir, data, output, num_processes=1, *flags, **kwargs):
 def predict_in_this_process(*argv) -> int:
     """scripts/predict.py's main() on its parsed `argv`, in the test process: one process, as `python
     scripts/predict.py` runs it, without starting one. Accelerate's state is reset after it, so that no later test of
-    this process finds this one's Accelerator."""
+    this process finds this one's Accelerator (nor this one an earlier in-process test's)."""
     script = load_script(PREDICT)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     try:
         return script.main(script.parse_args([str(word) for word in argv]))
     finally:
