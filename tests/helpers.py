@@ -55,13 +55,18 @@ def threads_left_message(threads_left: list) -> str:
             f"(docs/migration_guide.md, 'Ending a run cleanly')")
 
 
+def exit_check_env(exit_check_dir, env=None) -> dict:
+    """`env` (default: this process's) with tests/exit_check on PYTHONPATH, recording into `exit_check_dir`."""
+    env = {**os.environ, **(env or {})}
+    return {**env, "EXIT_CHECK_DIR": str(exit_check_dir),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(EXIT_CHECK), env.get("PYTHONPATH")]))}
+
+
 def run(cmd, *, check=True, timeout=600, env=None, cwd=REPO) -> subprocess.CompletedProcess:
     """Run a command; a run that succeeds must also have left no gloo worker thread alive at the exit of any of
     its Python processes (tests/exit_check/sitecustomize.py records them): one alive there can abort the exit."""
-    env = {**os.environ, **(env or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_CHECK), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
-        env["EXIT_CHECK_DIR"] = exit_check_dir
+        env = exit_check_env(exit_check_dir, env)
         proc = subprocess.run(
             [str(c) for c in cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=cwd, env=env,
         )

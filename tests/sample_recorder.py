@@ -176,10 +176,13 @@ PRELOADED = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accelerate.
 
 
 def jobs_file(path, jobs) -> Path:
-    """Write PATH for `--jobs PATH`; `jobs`: dicts of argv (SCRIPT ARGS), sample_log, port (this job's MASTER_PORT),
-    timeout (s) and optionally fails (the job must exit non-zero: a refusal)."""
-    Path(path).write_text(json.dumps([{**job, "argv": list(map(str, job["argv"])),
-                                       "sample_log": str(job["sample_log"])} for job in jobs]))
+    """Write PATH for `--jobs PATH`; `jobs`: dicts of argv (SCRIPT ARGS), sample_log, timeout (s) and optionally fails
+    (the job must exit non-zero: a refusal). Each job gets a free port of its own (its MASTER_PORT)."""
+    from helpers import free_consecutive_ports  # the test process's; not at the top: launched processes import this
+
+    first_port = free_consecutive_ports(len(jobs))
+    Path(path).write_text(json.dumps([{**job, "argv": list(map(str, job["argv"])), "sample_log": str(job["sample_log"]),
+                                       "port": first_port + i} for i, job in enumerate(jobs)]))
     return Path(path)
 
 

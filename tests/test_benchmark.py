@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import (EXIT_CHECK, REPO, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
+from helpers import (REPO, exit_check_env, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
                      training_processes)
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
@@ -36,8 +36,8 @@ def benchmark_in_this_process(argv, cwd=REPO) -> None:
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
         patch.chdir(cwd)
         patch.setattr(sys, "argv", [str(BENCHMARK), *argv])  # what benchmark.json records as the command typed
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")])))
-        patch.setenv("EXIT_CHECK_DIR", exit_check_dir)
+        for name in ("PYTHONPATH", "EXIT_CHECK_DIR"):
+            patch.setenv(name, exit_check_env(exit_check_dir)[name])
         benchmark.main(benchmark.parse_args(argv))
         threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
     assert threads_left == []

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, free_consecutive_ports, launcher_args, load_script, results, run, run_folder_of
+from helpers import REPO, launcher_args, load_script, results, run, run_folder_of
 from image_data import make_split_image_folder
 from sample_recorder import jobs_file
 
@@ -241,10 +241,9 @@ def test_without_the_flags_nothing_is_mixed(folder):
 def launch_recorded(jobs, num_processes, folder):
     """The script under tests/sample_recorder.py, one run after the other in one launch (--jobs): `jobs` are (args,
     log); processes out of step (a bug) fail after --ddp_timeout 60, a run still going at 300 s is killed."""
-    port = free_consecutive_ports(len(jobs))
     manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"], "sample_log": log, "port": port + i,
-         "timeout": 300} for i, (args, log) in enumerate(jobs)])
+        {"argv": [CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"], "sample_log": log,
+         "timeout": 300} for args, log in jobs])
     proc = run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=300 * len(jobs))
     outputs = sorted(path for _, log in jobs for path in log.parent.glob(f"{log.name}.rank*.out"))
     assert proc.returncode == 0, "\n".join(f"{path.name}: {path.read_text()[-6000:]}" for path in outputs)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EXIT_CHECK, REPO, free_consecutive_ports, launcher_args, results, threads_left_message
+from helpers import REPO, exit_check_env, launcher_args, results, threads_left_message
 from image_data import make_split_image_folder
 from sample_recorder import jobs_file
 
@@ -56,16 +56,13 @@ def launch_recorded(jobs, num_processes, folder):
 
     Started as tests/helpers.run starts a command (its exit check: no gloo thread alive at any process's exit), but in
     a session of its own, so that a run past its time is killed with all its processes."""
-    port = free_consecutive_ports(len(jobs))
     manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [script, "--cpu", *args, "--ddp_timeout", "120"], "sample_log": log, "port": port + i,
-         "timeout": JOB_TIMEOUT} for i, (script, args, log) in enumerate(jobs)])
+        {"argv": [script, "--cpu", *args, "--ddp_timeout", "120"], "sample_log": log,
+         "timeout": JOB_TIMEOUT} for script, args, log in jobs])
     cmd = [*launcher_args(num_processes), RECORDER, "--jobs", manifest]
     with tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
-        env = {**os.environ, "EXIT_CHECK_DIR": exit_check_dir,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")]))}
         job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, errors="replace", env=env, start_new_session=True)
+                               text=True, errors="replace", env=exit_check_env(exit_check_dir), start_new_session=True)
         try:
             stdout, stderr = job.communicate(timeout=JOB_TIMEOUT * len(jobs))
         except subprocess.TimeoutExpired:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, free_consecutive_ports, launcher_args, load_script, results, run
+from helpers import REPO, launcher_args, load_script, results, run
 from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
 from sample_recorder import jobs_file
 
@@ -67,10 +67,9 @@ def launch_recorded(jobs: dict, num_processes: int, folder, fails=()):
     """One launch of tests/sample_recorder.py --jobs: each job {name: SCRIPT ARGS} in turn, logging to FOLDER/NAME.log
     (its rank 0's output: output(folder, name)); those named in `fails` must exit non-zero. A run still going at 600 s
     is killed (each was a launch of its own, with helpers.run's limit). Unchecked: each test checks its jobs (ran)."""
-    port = free_consecutive_ports(len(jobs))
     manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": argv, "sample_log": folder / f"{name}.log", "port": port + i, "timeout": 600, "fails": name in fails}
-        for i, (name, argv) in enumerate(jobs.items())])
+        {"argv": argv, "sample_log": folder / f"{name}.log", "timeout": 600, "fails": name in fails}
+        for name, argv in jobs.items()])
     return run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs))
 
 
