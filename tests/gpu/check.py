@@ -80,15 +80,15 @@ class Step:
 def plan(work: Path) -> list:
     synthetic = ["--method", "accelerate", "--data_on_device", "--synthetic_samples", str(PHOTO_COPIES * 192), *RESNET]
     return [
-        Step("environment", 20, "card, driver, torch, carried packages"),
-        Step("pytest_gpu", 200, "python -m pytest -m gpu tests"),
+        Step("environment", 30, "card, driver, torch, carried packages"),
+        Step("pytest_gpu", 175, "python -m pytest -m gpu tests"),
         Step("resnet50_synthetic", 45, "ResNet-50 bf16 channels-last, synthetic images on the GPU, eager",
              "scripts/benchmark_train.py", [*synthetic, "--output_dir", work / "resnet50_synthetic"]),
         Step("resnet50_jpeg", 90, "ResNet-50 bf16 channels-last, 224 px JPEGs decoded by 16 workers, eager",
              "scripts/train_image_classifier.py",
              ["--data_dir", work / "photos", "--output_dir", work / "resnet50_jpeg", "--image_size", "224",
               "--num_workers", "16", *RESNET]),
-        Step("resnet50_synthetic_compile", 95, "ResNet-50 bf16 channels-last, synthetic images on the GPU, --compile",
+        Step("resnet50_synthetic_compile", 120, "ResNet-50 bf16 channels-last, synthetic images on the GPU, --compile",
              "scripts/benchmark_train.py",
              [*synthetic, "--compile", "--output_dir", work / "resnet50_synthetic_compile"]),
     ]
@@ -188,22 +188,26 @@ def replicate_photos(source: Path, target: Path, copies: int) -> None:
                 (folder / f"copy{k:02d}_{photo.name}").symlink_to(photo.resolve())
 
 
-def environment() -> dict:
-    """What ran where. nvidia-smi, not torch, reads the card: a CUDA context in this process would stay for the whole
-    check and take GPU memory from the steps."""
+def environment(path: Path) -> None:
+    """What ran where, written to `path` fact by fact: a step stopped at its timeout still leaves the facts it had.
+    nvidia-smi, not torch, reads the card: a CUDA context in this process would stay for the whole check and take GPU
+    memory from the steps. Each carried package's import is timed: on the GPU image `import evaluate` imports the
+    image's transformers, whose import scans every installed distribution (the first check: over 8 s)."""
     import importlib
     import importlib.metadata
 
+    began = time.perf_counter()
     import torch
 
     facts = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-             "cpu_count": os.cpu_count(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+             "cpu_count": os.cpu_count(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "import_s": {"torch": round(time.perf_counter() - began, 2)}}
     if shutil.which("nvidia-smi") is not None:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=15)
         facts["nvidia_smi"] = smi.stdout.strip() or smi.stderr.strip()
         facts["card"] = facts["nvidia_smi"].split(",")[0]
-    for name in ("accelerate", "torchvision", "datasets", "evaluate", "simplejpeg", "pyarrow", "fsspec",
+    for name in ("accelerate", "torchvision", "transformers", "datasets", "evaluate", "simplejpeg", "pyarrow", "fsspec",
                  "huggingface-hub", "pytest-xdist", "pytest-timeout"):
         try:
             facts[name] = importlib.metadata.version(name)
@@ -211,12 +215,15 @@ def environment() -> dict:
             facts[name] = None
     facts["wheel_requirement_problems"] = installed_requirement_problems()
     facts["wheel_import_errors"] = {}
+    path.write_text(json.dumps(facts))
     for name in dry_run.read_pins(GPU_DIR / "wheels.txt"):  # each carried package imports there (datasets: pyarrow)
+        began = time.perf_counter()
         try:
             importlib.import_module(name.replace("-", "_"))
         except Exception as err:
             facts["wheel_import_errors"][name] = f"{type(err).__name__}: {err}"[:300]
-    return facts
+        facts["import_s"][name] = round(time.perf_counter() - began, 2)
+        path.write_text(json.dumps(facts))
 
 
 def installed_requirement_problems() -> list:
@@ -293,13 +300,14 @@ def run_check(out: Path, work: Path, started: float, only=None, pytest_select=No
             try:
                 if step.name == "environment":  # in its own process too: its timeout holds
                     facts = work / "environment.json"
+                    facts.unlink(missing_ok=True)
                     status, tail = run_command([sys.executable, Path(__file__), "--environment", facts], timeout, log,
                                                env)
                     record.update(status="timeout" if status is None else ("ok" if status == 0 else "failed"),
                                   returncode=status)
-                    if status == 0:
+                    if facts.is_file():  # written fact by fact: a timeout leaves those it had
                         report["environment"] = json.loads(facts.read_text())
-                    else:
+                    if status != 0:
                         record["tail"] = tail[-2000:]
                 elif step.name == "pytest_gpu":
                     xml = out / "pytest_gpu.xml"
@@ -345,6 +353,8 @@ def markdown(report: dict) -> str:
     env = report.get("environment", {})
     lines = [f"# GPU check: {env.get('card', 'no GPU seen')}, torch {env.get('torch')}, {env.get('date')}", "",
              f"{report['total_s']} s of the {report['budget_s']} s budget. nvidia-smi: {env.get('nvidia_smi')}", ""]
+    if env.get("import_s"):
+        lines += ["Import seconds there: " + ", ".join(f"{name} {s}" for name, s in env["import_s"].items()), ""]
     if env.get("wheel_requirement_problems"):
         lines += ["Carried wheels' requirements not met there: " + "; ".join(env["wheel_requirement_problems"]), ""]
     if env.get("wheel_import_errors"):
@@ -417,7 +427,7 @@ def main(argv=None) -> int:
     parser.add_argument("--environment", type=Path, help=argparse.SUPPRESS)  # the first step: its facts, to this file
     args = parser.parse_args(argv)
     if args.environment:
-        args.environment.write_text(json.dumps(environment()))
+        environment(args.environment)
         return 0
     if args.dry_run:
         problems, summary = dry_run_problems(args.carried, args.wheels_list, sys.executable)
