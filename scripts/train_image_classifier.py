@@ -75,7 +75,7 @@ from utils.run.batch_size import fit_batch_size  # noqa: E402
 from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
 from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
 from utils.run.hangs import collective_timeouts_named  # noqa: E402
 from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer  # noqa: E402
 from utils.run.reproducibility import make_deterministic  # noqa: E402
@@ -403,6 +403,7 @@ def main(args):
         train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)
         model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
         metric = load_metric("topk_accuracy")
+    keep_batchnorm_in_fp32(accelerator, model)  # [accelerate] FSDP + bf16/fp16: as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
     # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.
@@ -502,9 +503,8 @@ def main(args):
                     if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
                         with meter.paused():  # saving is not training time
                             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-                            saved = save_checkpoint(  # [collective]
-                                accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                args.checkpoints_total_limit)
+                            saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}",
+                                                    progress, args.checkpoints_total_limit)  # [collective]
                     if stopping:
                         logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue "
                                     f"with --resume_from_checkpoint latest")

@@ -54,7 +54,7 @@ from utils.report.results import report_evaluation, report_run  # noqa: E402
 from utils.run.batch_size import fit_batch_size  # noqa: E402
 from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import shard_on_cpu  # noqa: E402
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
 from utils.run.hangs import collective_timeouts_named  # noqa: E402
 from utils.run.optim import build_lr_scheduler  # noqa: E402
 from utils.run.reproducibility import make_deterministic  # noqa: E402
@@ -195,6 +195,7 @@ def main(args):
     train_dataset = to_tensor_dataset(*splits["train"], max_samples=args.max_train_samples)
     eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
     model = ConvNet()
+    keep_batchnorm_in_fp32(accelerator, model)  # [accelerate] FSDP + bf16/fp16: as FSDP1 did (utils/run/fsdp.py)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     model_input = None  # the batches are the model's input as they are (train_image_classifier normalises them)
 
@@ -286,9 +287,8 @@ def main(args):
                     if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
                         with meter.paused():  # saving is not training time
                             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-                            saved = save_checkpoint(  # [collective]
-                                accelerator, args.output_dir, f"step_{progress.global_step}", progress,
-                                args.checkpoints_total_limit)
+                            saved = save_checkpoint(accelerator, args.output_dir, f"step_{progress.global_step}",
+                                                    progress, args.checkpoints_total_limit)  # [collective]
                     if stopping:
                         logger.info(f"Stopped by a signal after step {progress.global_step}: saved {saved}; continue "
                                     f"with --resume_from_checkpoint latest")

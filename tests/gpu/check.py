@@ -80,8 +80,8 @@ class Step:
 def plan(work: Path) -> list:
     synthetic = ["--method", "accelerate", "--data_on_device", "--synthetic_samples", str(PHOTO_COPIES * 192), *RESNET]
     return [
-        Step("environment", 30, "card, driver, torch, carried packages"),
-        Step("pytest_gpu", 175, "python -m pytest -m gpu tests"),
+        Step("environment", 40, "card, driver, torch, carried packages"),
+        Step("pytest_gpu", 165, "python -m pytest -m gpu tests"),
         Step("resnet50_synthetic", 45, "ResNet-50 bf16 channels-last, synthetic images on the GPU, eager",
              "scripts/benchmark_train.py", [*synthetic, "--output_dir", work / "resnet50_synthetic"]),
         Step("resnet50_jpeg", 90, "ResNet-50 bf16 channels-last, 224 px JPEGs decoded by 16 workers, eager",

@@ -5,10 +5,10 @@ tensors over gloo; Accelerate 1.15 just never chooses them there. `AcceleratorSt
 (accelerate/state.py, the branch `elif self.distributed_type in [DistributedType.MULTI_GPU, ...MULTI_NEURON]`)
 switches to `DistributedType.FSDP` and keeps the FSDP plugin only for GPU-like process groups; a CPU group
 (`MULTI_CPU`: `Accelerator(cpu=True)` under torchrun) keeps DDP and drops the plugin, and no setting
-changes that. `shard_on_cpu` makes, once the Accelerator is built, the three assignments that branch would
-have made. Everything after it is Accelerate's own FSDP2 code, unchanged: `prepare` calls `fully_shard`,
-`save_state`/`load_state` write and read DCP shards, `get_state_dict` and `save_model` gather the whole
-weights. Hand-written because Accelerate has no switch for it; it fails with one line, never silently,
+changes that. `shard_on_cpu` makes, once the Accelerator is built, what that branch would have done (the
+distributed type, the plugin, its mixed precision policy). Everything after it is Accelerate's own FSDP2 code,
+unchanged: `prepare` calls `fully_shard`, `save_state`/`load_state` write and read DCP shards, `get_state_dict`
+and `save_model` gather the whole weights. Hand-written because Accelerate has no switch for it; it fails with one line, never silently,
 when the Accelerate it was written against changes.
 """
 
@@ -17,9 +17,6 @@ from utils.launch.launch_checks import fsdp_launch
 
 # The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
 ADAPTED_ACCELERATE = "1.15."
-BF16_ON_CPU = ("--mixed_precision bf16 under FSDP on CPU processes: FSDP2's policy casts BatchNorm's weights to bf16, "
-               "which torch's CPU batch_norm refuses beside its fp32 running statistics; train in fp32 "
-               "(--mixed_precision no) on the CPU")
 
 
 def shard_on_cpu(accelerator) -> None:
@@ -49,11 +46,34 @@ def shard_on_cpu(accelerator) -> None:
         # fails on buffers, which BatchNorm has (on GPUs too)
         raise UserError("fsdp_cpu_ram_efficient_loading fails for models with buffers (BatchNorm's statistics) in "
                         "accelerate 1.15: set fsdp_cpu_ram_efficient_loading: false")
-    if accelerator.mixed_precision != "no":  # fp16 is refused on the CPU already (utils/launch/launch_checks.py)
-        raise UserError(BF16_ON_CPU)
+    if accelerator.mixed_precision != "no":  # bf16 (fp16 is refused on the CPU: utils/launch/launch_checks.py)
+        plugin.set_mixed_precision(accelerator.mixed_precision)
     accelerator.state.distributed_type = DistributedType.FSDP
     accelerator.state.fsdp_plugin = plugin
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+
+def keep_batchnorm_in_fp32(accelerator, model) -> None:
+    """Under FSDP with --mixed_precision bf16 or fp16, before the optimizer and `prepare`: every BatchNorm layer of
+    `model` becomes an FSDP2 unit of its own whose weights stay fp32, as FSDP1's MixedPrecision kept them
+    (`_module_classes_to_ignore`); `prepare` then shards the rest of the model around these units. Accelerate 1.15
+    gives FSDP2 one policy that casts every parameter to the autocast dtype, and batch_norm refuses 16-bit weights
+    beside its fp32 running statistics: the first GPU check stopped at the first backward ("Expected running_mean
+    to have type BFloat16 but got Float"), CPU processes stop the same way. The layer's input keeps the autocast
+    dtype, as under DDP. Before the optimizer: fully_shard replaces the parameters the optimizer would hold."""
+    import torch
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if accelerator.distributed_type != DistributedType.FSDP or accelerator.mixed_precision == "no":
+        return
+    plugin, mesh = accelerator.state.fsdp_plugin, getattr(accelerator, "torch_device_mesh", None)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            fully_shard(module, mp_policy=fp32, reshard_after_forward=plugin.reshard_after_forward,
+                        offload_policy=plugin.cpu_offload,  # as Accelerate's own units, on its mesh
+                        mesh=mesh[tuple(accelerator.parallelism_config.fsdp_dim_names)] if mesh is not None else None)
 
 
 def complete_fsdp_model(accelerator, model) -> None:
