@@ -74,10 +74,10 @@ def one_process_runs(data, tmp_path_factory):
                       "16", "--checkpointing_steps", "1"],
     }
     manifest = jobs_file(runs / "jobs.json", [
-        {"argv": [TRAIN_MNIST, "--cpu", *args], "sample_log": runs / f"{name}.log", "timeout": 600,
-         "fails": name == "diverging"} for name, args in jobs.items()])
-    # the one thread per process that the launcher gives
-    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs), env={"OMP_NUM_THREADS": "1"})
+        {"argv": [TRAIN_MNIST, "--cpu", *argv], "sample_log": runs / f"{name}.log", "timeout": 600,
+         "fails": name == "diverging"} for name, argv in jobs.items()])
+    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+        env={"OMP_NUM_THREADS": "1"})  # the one thread per process that the launcher gives
     return runs
 
 

@@ -7,7 +7,8 @@ again, a mid-epoch resume with gradient accumulation is bit-exact. `latest` skip
 The runs share launches, one per process count, each run a job of tests/sample_recorder.py --jobs (forked from
 processes that imported the libraries once): on 2 processes the uninterrupted runs and the resume that follows one
 (which also saves the epoch_0 the epoch-boundary resumes start from); then the resumes on 3 processes, on 4, and on 1,
-where the recorder runs alone (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs a script)."""
+where the recorder runs alone (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs
+a script)."""
 
 import json
 import shutil

@@ -65,8 +65,8 @@ def on_1_process(tmp_path_factory, synthetic_mnist, request):
     with --with_tracking ("trained") and --eval_only of the 2-process run's last checkpoint ("eval_only")."""
     runs = tmp_path_factory.mktemp("on_1_process")
     # --mixed_precision is the script's flag, which the Accelerator takes over the launch config's `no`
-    jobs = {"bf16": ["--data_dir", synthetic_mnist, "--output_dir", runs / "bf16", "--epochs", "2", "--batch_size", "32",
-                     "--mixed_precision", "bf16"]}
+    jobs = {"bf16": ["--data_dir", synthetic_mnist, "--output_dir", runs / "bf16", "--epochs", "2", "--batch_size",
+                     "32", "--mixed_precision", "bf16"]}
     if (MNIST_10K / "train-images-idx3-ubyte.gz").is_file():
         trained_2proc = request.getfixturevalue("on_2_processes") / "trained"
         jobs["trained"] = ["--data_dir", MNIST_10K, "--output_dir", runs / "trained", "--with_tracking"]
