@@ -106,11 +106,12 @@ UNUSED_HEAD = ["--model", "tests.image_data:resnet_with_unused_head"]
 def two_process_runs(flat_folder, tmp_path_factory):
     """The 2-process runs: one of 3 epochs (7 steps each) on the flat folder in two launches, as a preempted job runs:
     a SIGTERM after epoch 0's checkpoint stops it (--save_on_signal), with its DataLoader worker alive (persistent);
-    then it resumes from the checkpoint the signal saved, under the DDP probe (job "flat"), in the launch of the
-    other jobs (launch_jobs): the accumulation pair (accumulation_jobs: "accumulated", "accumulated_resumed"). A resume trains what the uninterrupted run would have, bit for bit
-    (test_gradient_accumulation_...): the finished flat run stands for a plain one in the tests that read it. It also
-    carries --find_unused_parameters on a model with an unused head and the bf16 --ddp_comm_hook (neither is part of
-    what a resume must keep). Returns (the jobs' folder, the stopped launch's output and exit status)."""
+    then it resumes from the checkpoint the signal saved, under the DDP probe (job "flat"), in one launch with the
+    accumulation pair (launch_jobs; accumulation_jobs: "accumulated", "accumulated_resumed"). A resume trains what the
+    uninterrupted run would have, bit for bit (test_gradient_accumulation_...): the finished flat run stands for a plain
+    one in the tests that read it. It also carries --find_unused_parameters on a model with an unused head and the bf16
+    --ddp_comm_hook (neither is part of what a resume must keep). Returns (the jobs' folder, the stopped launch's output
+    and exit status)."""
     root = tmp_path_factory.mktemp("two_processes")
     out = root / "flat_out"
     args = ["--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
@@ -254,8 +255,8 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
 
 
 def accumulation_jobs(root) -> dict:
-    """Jobs of the 2-process launch: a dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub
-    serves them) with CIFAR-100-like columns "img" / "fine_label" and a test split, 128 images to train, on 2
+    """Jobs of the 2-process launch: a dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the
+    Hub serves them) with CIFAR-100-like columns "img" / "fine_label" and a test split, 128 images to train, on 2
     processes with --gradient_accumulation_steps 2, the fp16 --ddp_comm_hook, --channels_last and the step schedule,
     gradient all-reduces counted by the probe ("accumulated", into accumulated/full); then the same run resumed from
     its step 3 with --gradient_checkpointing ("accumulated_resumed", into accumulated/resumed). (One pair of runs for

@@ -53,11 +53,13 @@ RECORDER = REPO / "tests" / "sample_recorder.py"
 
 
 def launch_jobs(jobs: dict, num_processes: int, folder, fails=(), env=None) -> None:
-    """One `accelerate launch` of N CPU processes running the jobs {NAME: [SCRIPT, *ARGS]} in turn (tests/sample_recorder.py
-    --jobs): each launched process imports torch and Accelerate once, then forks one child per job, which runs SCRIPT
-    ARGS as `python SCRIPT ARGS` would in a launched process (a launch of its own would cost ~20 CPU-s more). A job
-    may read what the ones before it wrote. Those named in `fails` must exit non-zero. Unchecked: each test reads its
-    jobs with job(). (Shared with tests/test_model_ema.py and tests/test_image_classifier.py.)"""
+    """One `accelerate launch` of N CPU processes running the jobs {NAME: [SCRIPT, *ARGS]} in turn
+    (tests/sample_recorder.py --jobs): each launched process imports torch and Accelerate once, then forks one child
+    per job, which runs SCRIPT ARGS as `python SCRIPT ARGS` would in a launched process (a launch of its own would cost
+    ~20 CPU-s more). A job may read what the ones before it wrote. Those named in `fails` must exit non-zero: refusals
+    that come before any process group, as a launch that ends well is held to helpers.run's exit check (a refusal out
+    of a DDP step leaves gloo's threads alive: a launch of its own). Unchecked: each test reads its jobs with job().
+    (Shared with tests/test_model_ema.py and tests/test_image_classifier.py.)"""
     manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
         {"argv": argv, "sample_log": folder / name, "timeout": 600, "fails": name in fails}
         for name, argv in jobs.items()])
@@ -90,9 +92,10 @@ def one_process_runs(tmp_path_factory):
         "image_run": [CLASSIFIER, "--cpu", "--data_dir", image_data, "--model", "tests.sample_recorder:tiny_cnn",
                       "--image_size", "16", "--epochs", "1", "--batch_size", "8", "--num_workers", "0",
                       "--metric_for_best", "eval_accuracy", "--output_dir", root / "image_run"],
-        "mnist_run": [TRAIN_MNIST, "--cpu", "--data_dir", mnist_data, "--epochs", "1", "--output_dir", root / "mnist_run"],
-        **{name: argv for name, (_, argv, _) in documented_jobs((image_data, root / "image_run"),
-                                                               (mnist_data, root / "mnist_run"), root / "documented").items()},
+        "mnist_run": [TRAIN_MNIST, "--cpu", "--data_dir", mnist_data, "--epochs", "1", "--output_dir",
+                      root / "mnist_run"],
+        **{name: argv for name, (_, argv, _) in documented_jobs(
+            (image_data, root / "image_run"), (mnist_data, root / "mnist_run"), root / "documented").items()},
         "on_error_stop": [PREDICT, "--cpu", "--model_dir", root / "image_run", "--data_dir", corrupt, "--output_file",
                           root / "stopped" / "predictions.csv", "--on_error", "stop", "--num_workers", "0"],
     }
