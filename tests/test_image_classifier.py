@@ -1,5 +1,12 @@
 """train_image_classifier.py launched for real through `accelerate launch`, on CPU processes,
-on generated image folders (four classes of coloured shapes, 40x40 px; chance is 0.25)."""
+on generated image folders (four classes of coloured shapes, 40x40 px; chance is 0.25).
+
+Processes (the suite's time is the number of processes it starts): a run stopped by a signal is a launch of its own
+(torchrun's signal to each process group is what it tests); the other runs are jobs of one launch per process count
+(tests/test_predict.py's launch_jobs: tests/sample_recorder.py --jobs, each launched process importing torch and
+Accelerate once): on 2 processes the stopped run's resume and the accumulation pair under the DDP probe, then on 1
+process the train/val run, the 1-process evaluation and the --sync_bn refusal. The 3-process evaluation and the
+unused-parameter refusal (it leaves DDP's threads to its exit) are launches of their own."""
 
 import json
 import math
@@ -18,7 +25,6 @@ from helpers import (
     launcher_args,
     results,
     run,
-    run_alone,
     tensorboard_scalars,
     wait_for_path,
 )
@@ -31,6 +37,7 @@ from image_data import (
 )
 from datasets import Image
 from safetensors.torch import load_file
+from test_predict import job, launch_jobs
 
 from utils.data.image_dataset import TransformedImages
 from utils.data.image_loading import load_image_datasets
@@ -49,15 +56,30 @@ FAST = ["--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--op
         "--warmup_epochs", "0", "--num_workers", "0", "--batch_size", "16"]
 
 
-def train(args, num_processes=1, **kwargs):
-    return launch([*FAST, *map(str, args)], num_processes=num_processes, script=SCRIPT, **kwargs)
+# `python with_env.py NAME=VALUE... SCRIPT ARGS`: SCRIPT ARGS with those environment variables set. The jobs of one
+# launch share its environment; under the DDP probe, each job's report goes where its own $DDP_PROBE_OUT says.
+WITH_ENV = """\
+import os, runpy, sys
+while "=" in sys.argv[1]:
+    name, _, value = sys.argv.pop(1).partition("=")
+    os.environ[name] = value
+sys.argv.pop(0)
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 
-def train_with_probe(args, num_processes, probe_out, count_allreduce=False):
-    """Run the script under tests/image_data.py's DDP probe; returns one report per rank."""
-    env = {"DDP_PROBE_OUT": str(probe_out), "DDP_PROBE_COUNT_ALLREDUCE": "1" if count_allreduce else "0"}
-    run([*launcher_args(num_processes), PROBE, SCRIPT, "--cpu", *FAST, *map(str, args)], env=env)
-    return [json.loads(probe_out.with_name(f"{probe_out.name}.{rank}").read_text()) for rank in range(num_processes)]
+def probed_job(folder, name, args, count_allreduce=False) -> list:
+    """A job that runs the script under tests/image_data.py's DDP probe (its report: FOLDER/NAME.probe.RANK)."""
+    with_env = folder / "with_env.py"
+    with_env.write_text(WITH_ENV)
+    return [with_env, f"DDP_PROBE_OUT={folder / name}.probe", f"DDP_PROBE_COUNT_ALLREDUCE={int(count_allreduce)}",
+            PROBE, SCRIPT, "--cpu", *FAST, *args]
+
+
+def probe_reports(folder, name, num_processes=2) -> list:
+    """The DDP probe's report per rank of job NAME, which must have run to its end."""
+    job(folder, name, num_processes)
+    return [json.loads((folder / f"{name}.probe.{rank}").read_text()) for rank in range(num_processes)]
 
 
 @pytest.fixture(scope="module")
@@ -75,43 +97,72 @@ def flat_folder(tmp_path_factory):
 # ---------------------------------------------------------------- learning, both layouts
 
 
-@pytest.fixture(scope="module")
-def trained_split_1proc(split_folder, tmp_path_factory):
-    out = tmp_path_factory.mktemp("split_1proc")
-    # two DataLoader workers: images are decoded and augmented there
-    train(["--data_dir", split_folder, "--output_dir", out, "--epochs", "2", "--num_workers", "2", "--with_tracking"])
-    return out
-
-
 # The model with an unused head (tests/image_data.py), for --find_unused_parameters: the flat run's, and so its
 # checkpoint's in the evaluations of test_one_checkpoint_...
 UNUSED_HEAD = ["--model", "tests.image_data:resnet_with_unused_head"]
 
 
 @pytest.fixture(scope="module")
-def stopped_and_resumed_flat_2proc(flat_folder, tmp_path_factory):
-    """One 2-process run of 3 epochs (7 steps each) in two launches, as a preempted job runs: a SIGTERM after epoch 0's
-    checkpoint stops it (--save_on_signal), with its DataLoader worker alive (persistent); then it resumes from the
-    checkpoint the signal saved, under the DDP probe. A resume trains what the uninterrupted run would have, bit for bit
-    (test_gradient_accumulation_...): the finished run stands for a plain one in the tests that read it. It also
-    carries --find_unused_parameters on a model with an unused head and the bf16 --ddp_comm_hook (one launch fewer
-    each; neither is part of what a resume must keep). Returns (the output folder, the stopped launch's output and
-    exit status, the probe's report per rank of the resumed launch)."""
-    out = tmp_path_factory.mktemp("flat_2proc")
+def two_process_runs(flat_folder, tmp_path_factory):
+    """The 2-process runs: one of 3 epochs (7 steps each) on the flat folder in two launches, as a preempted job runs:
+    a SIGTERM after epoch 0's checkpoint stops it (--save_on_signal), with its DataLoader worker alive (persistent);
+    then it resumes from the checkpoint the signal saved, under the DDP probe (job "flat"), in one launch with the
+    accumulation pair (launch_jobs; accumulation_jobs: "accumulated", "accumulated_resumed"). A resume trains what the
+    uninterrupted run would have, bit for bit (test_gradient_accumulation_...): the finished flat run stands for a plain
+    one in the tests that read it. It also carries --find_unused_parameters on a model with an unused head and the bf16
+    --ddp_comm_hook (neither is part of what a resume must keep). Returns (the jobs' folder, the stopped launch's output
+    and exit status)."""
+    root = tmp_path_factory.mktemp("two_processes")
+    out = root / "flat_out"
     args = ["--num_workers", "1", "--data_dir", flat_folder, "--output_dir", out, "--epochs", "3",
             "--checkpointing_steps", "epoch", *UNUSED_HEAD, "--find_unused_parameters", "--ddp_comm_hook", "bf16"]
-    job = launch_in_background([*FAST, *args, "--save_on_signal"], num_processes=2, script=SCRIPT)
+    stopped = launch_in_background([*FAST, *args, "--save_on_signal"], num_processes=2, script=SCRIPT)
     # start-up, a whole epoch and its evaluation: more than the default 120 s (for a step) on a loaded machine
-    wait_for_path(out / "epoch_0", job, timeout=300)
-    job.send_signal(signal.SIGTERM)
-    output, _ = job.communicate(timeout=120)
-    reports = train_with_probe([*args, "--resume_from_checkpoint", "latest"], 2, out / "probe")
-    return out, output, job.returncode, reports
+    wait_for_path(out / "epoch_0", stopped, timeout=300)
+    stopped.send_signal(signal.SIGTERM)
+    output, _ = stopped.communicate(timeout=120)
+    launch_jobs({
+        "flat": probed_job(root, "flat", [*args, "--resume_from_checkpoint", "latest"]),
+        **accumulation_jobs(root),
+    }, 2, root)
+    return root, output, stopped.returncode
+
+
+@pytest.fixture(scope="module")
+def stopped_and_resumed_flat_2proc(two_process_runs):
+    """(the output folder, the stopped launch's output and exit status, the probe's report per rank of the resumed
+    run)."""
+    root, output, returncode = two_process_runs
+    return root / "flat_out", output, returncode, probe_reports(root, "flat")
 
 
 @pytest.fixture(scope="module")
 def trained_flat_2proc(stopped_and_resumed_flat_2proc):
     return stopped_and_resumed_flat_2proc[0]
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(split_folder, flat_folder, trained_flat_2proc, tmp_path_factory):
+    """The 1-process launch (after the 2-process one, whose checkpoint it evaluates): 2 epochs on the train/val folders
+    with two DataLoader workers (images decoded and augmented there) and --with_tracking ("split", into split_out/);
+    --eval_only of the flat run's last checkpoint ("eval"; test_one_checkpoint_...); the --sync_bn refusal ("sync_bn").
+    Returns its folder."""
+    root = tmp_path_factory.mktemp("one_process")
+    launch_jobs({
+        "split": [SCRIPT, "--cpu", *FAST, "--data_dir", split_folder, "--output_dir", root / "split_out", "--epochs",
+                  "2", "--num_workers", "2", "--with_tracking"],
+        "eval": [SCRIPT, "--cpu", *FAST, *UNUSED_HEAD, "--data_dir", flat_folder, "--output_dir", root / "eval_out",
+                 "--eval_only", "--resume_from_checkpoint", trained_flat_2proc / "epoch_2"],
+        "sync_bn": [SCRIPT, "--cpu", *FAST, "--data_dir", split_folder, "--output_dir", root / "sync_bn_out",
+                    "--sync_bn"],
+    }, 1, root, fails=["sync_bn"])
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained_split_1proc(one_process_runs):
+    job(one_process_runs, "split", 1)
+    return one_process_runs / "split_out"
 
 
 def test_train_val_layout_one_process_learns_and_reports_everything(trained_split_1proc):
@@ -172,18 +223,19 @@ def test_val_split_is_stratified_and_the_same_every_time(flat_folder):
 # ---------------------------------------------------------------- exact evaluation
 
 
-def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, trained_flat_2proc, tmp_path):
+def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, trained_flat_2proc, one_process_runs,
+                                                                  tmp_path):
     checkpoint = trained_flat_2proc / "epoch_2"
     trained = results(trained_flat_2proc)  # the 2-process evaluation of the same weights
     evaluations = {2: trained}
     for n in (1, 3):
-        out = tmp_path / f"eval_{n}"
-        args = [*FAST, *UNUSED_HEAD, "--data_dir", flat_folder, "--output_dir", out, "--eval_only",
-                "--resume_from_checkpoint", checkpoint]
-        if n == 1:  # the script alone: what accelerate's 1-process launcher runs (test_train_val_... launches one)
-            run_alone(args, script=SCRIPT)
+        if n == 1:  # a job of the 1-process launch
+            job(one_process_runs, "eval", 1)
+            out = one_process_runs / "eval_out"
         else:
-            launch(args, num_processes=n, script=SCRIPT)
+            out = tmp_path / f"eval_{n}"
+            launch([*FAST, *UNUSED_HEAD, "--data_dir", flat_folder, "--output_dir", out, "--eval_only",
+                    "--resume_from_checkpoint", checkpoint], num_processes=n, script=SCRIPT)
         r = json.loads((out / "eval_results.json").read_text())  # --eval_only's own file
         assert r["num_processes"] == n
         assert r["eval_samples"] == 60  # 60 over 3 x 16 leaves a padded last batch: dropped again
@@ -202,33 +254,38 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
 # ---------------------------------------------------------------- accumulation, resume, checkpointing, Hub-style data
 
 
-@pytest.fixture(scope="module")
-def accumulated_and_resumed(tmp_path_factory):
-    """A dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the Hub serves them) with
-    CIFAR-100-like columns "img" / "fine_label" and a test split, 128 images to train, on 2 processes with
-    --gradient_accumulation_steps 2, the fp16 --ddp_comm_hook, --channels_last and the step schedule, gradient
-    all-reduces counted by the probe; then the same run resumed from its step 3 with --gradient_checkpointing. (One
-    pair of launches for accumulation, resume, checkpointing, the schedule, the Hub-style columns and the fp16 hook.)
-    Returns (the full run's folder, its reports, the resumed run's folder, its reports)."""
-    root = tmp_path_factory.mktemp("accumulated")
-    data = make_parquet_dataset(root / "parquet", train_per_class=32)
+def accumulation_jobs(root) -> dict:
+    """Jobs of the 2-process launch: a dataset loaded by `datasets.load_dataset` (here a local parquet folder, as the
+    Hub serves them) with CIFAR-100-like columns "img" / "fine_label" and a test split, 128 images to train, on 2
+    processes with --gradient_accumulation_steps 2, the fp16 --ddp_comm_hook, --channels_last and the step schedule,
+    gradient all-reduces counted by the probe ("accumulated", into accumulated/full); then the same run resumed from
+    its step 3 with --gradient_checkpointing ("accumulated_resumed", into accumulated/resumed). (One pair of runs for
+    accumulation, resume, checkpointing, the schedule, the Hub-style columns and the fp16 hook.)"""
+    data = make_parquet_dataset(root / "accumulated" / "parquet", train_per_class=32)
     # 128 images / (2 processes x 8) = 8 batches per process and epoch = 4 optimizer steps; 1 warmup epoch
     common = ["--dataset", data, "--max_eval_samples", "33", "--batch_size", "8", "--epochs", "2",
               "--gradient_accumulation_steps", "2", "--ddp_comm_hook", "fp16", "--channels_last",
               "--learning_rate", "0.002", "--lr_scheduler_type", "step", "--warmup_epochs", "1"]
-    out = root / "full"
-    # two persistent DataLoader workers per process: they must see set_epoch(1) for the second epoch
-    reports = train_with_probe([*common, "--output_dir", out, "--checkpointing_steps", "3", "--num_workers", "2"], 2,
-                               root / "probe", count_allreduce=True)
-    # Resume mid-epoch 0 (step 3 = 6 of 8 batches), loading in the main process this time: the augmentations are
-    # seeded per (seed, epoch, sample), so the result is bit-identical anyway; with --gradient_checkpointing, which
-    # changes no gradient nor BatchNorm statistic (test_gradient_checkpointing.py), so bit-identical still.
-    resumed = root / "resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "step_3", resumed / "step_3")
-    resumed_reports = train_with_probe([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest",
-                                        "--gradient_checkpointing"], 2, root / "probe_resumed", count_allreduce=True)
-    return out, reports, resumed, resumed_reports
+    out, resumed = root / "accumulated" / "full", root / "accumulated" / "resumed"
+    return {
+        # two persistent DataLoader workers per process: they must see set_epoch(1) for the second epoch
+        "accumulated": probed_job(root, "accumulated", [*common, "--output_dir", out, "--checkpointing_steps", "3",
+                                                        "--num_workers", "2"], count_allreduce=True),
+        # Resume mid-epoch 0 (step 3 = 6 of 8 batches), loading in the main process this time: the augmentations are
+        # seeded per (seed, epoch, sample), so the result is bit-identical anyway; with --gradient_checkpointing, which
+        # changes no gradient nor BatchNorm statistic (test_gradient_checkpointing.py), so bit-identical still.
+        "accumulated_resumed": probed_job(root, "accumulated_resumed", [
+            *common, "--output_dir", resumed, "--resume_from_checkpoint", out / "step_3", "--gradient_checkpointing"],
+            count_allreduce=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def accumulated_and_resumed(two_process_runs):
+    """(the full run's folder, its reports, the resumed run's folder, its reports): accumulation_jobs'."""
+    root = two_process_runs[0]
+    return (root / "accumulated" / "full", probe_reports(root, "accumulated"),
+            root / "accumulated" / "resumed", probe_reports(root, "accumulated_resumed"))
 
 
 def test_gradient_accumulation_steps_once_per_2_batches_without_allreduce_in_between(accumulated_and_resumed):
@@ -324,8 +381,10 @@ def test_find_unused_parameters_trains_a_model_with_an_unused_head(stopped_and_r
 
 
 def test_unused_parameter_without_the_flag_names_the_parameters(split_folder, tmp_path):
-    proc = train(["--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1", "--max_train_samples", "64",
-                  "--model", "tests.image_data:resnet_with_unused_head"], num_processes=2, check=False)
+    """A launch of its own: the refusal comes from a step of DDP, whose threads it leaves to the exit (a job of the
+    2-process launch would fail that launch's exit check, which a launch that fails skips)."""
+    proc = launch([*FAST, "--data_dir", split_folder, "--output_dir", tmp_path, "--epochs", "1", "--max_train_samples",
+                   "64", *UNUSED_HEAD], num_processes=2, script=SCRIPT, check=False)
     assert_clean_user_error(proc, "unused_head.weight, unused_head.bias", "--find_unused_parameters")
     assert "backbone" not in [line for line in proc.stderr.splitlines() if line.startswith("error: ")][0]
 
@@ -345,12 +404,11 @@ def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the
     assert len(set(r["parameter_fingerprints"])) == 1
 
 
-def test_sync_bn_on_cpu_stops_before_training_with_one_line(split_folder, tmp_path):
-    out = tmp_path / "out"
-    # the script itself, one process: the refusal comes before any collective (--sync_bn on 2 GPUs: the GPU tests)
-    proc = run_alone([*FAST, "--data_dir", split_folder, "--output_dir", out, "--sync_bn"], script=SCRIPT, check=False)
+def test_sync_bn_on_cpu_stops_before_training_with_one_line(one_process_runs):
+    # one process: the refusal comes before any collective (--sync_bn on 2 GPUs: the GPU tests)
+    proc = job(one_process_runs, "sync_bn", 1, must_pass=False)
     assert_clean_user_error(proc, "--sync_bn", "GPU")
-    assert not out.exists()
+    assert not (one_process_runs / "sync_bn_out").exists()
 
 
 # ---------------------------------------------------------------- units (no launch)

@@ -2,13 +2,14 @@
 optimizer step, evaluated each epoch beside the weights (eval_ema_*), saved in every checkpoint and resumed bit for
 bit, written as model_ema.safetensors, selectable for best/ and by predict.py's --weights ema. The update rule step
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
-under --compile. The comparisons across runs and process counts are launched; one-process runs whose launched form
-is tested elsewhere run the script alone (`helpers.run_alone`: no launcher process)."""
+under --compile. Every run is a job of one launch per process count (tests/test_predict.py's launch_jobs:
+tests/sample_recorder.py --jobs, each launched process importing torch and Accelerate once): on 2 processes the runs
+with and without the average and the resume, then on 1 process the evaluation of best/, predict.py's and the
+classifier's runs; the 3-process --eval_only is a launch of its own."""
 
 import csv
 import json
 import re
-import shutil
 
 import pytest
 import torch
@@ -21,12 +22,12 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
-    run_alone,
     run_folder_of,
 )
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from test_output_files import documented_files
+from test_predict import job, launch_jobs
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -119,18 +120,57 @@ def digits(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def with_ema(digits, tmp_path_factory):
-    """(output_dir, log) of 2 epochs with the average (timm's warmup), best/ kept by its eval loss."""
-    out = tmp_path_factory.mktemp("with_ema")
-    proc = launch(["--data_dir", digits, *COMMON, *EMA, "--output_dir", out], num_processes=2)
-    return out, proc.stdout + proc.stderr
+def two_process_runs(digits, tmp_path_factory):
+    """The 2-process launch: 2 epochs with the average (timm's warmup), best/ kept by its eval loss (with_ema/); the
+    same without it (without_ema/); then with_ema's step_7 resumed (resumed/). Returns its folder."""
+    root = tmp_path_factory.mktemp("ema_2proc")
+    train = [TRAIN_MNIST, "--cpu", "--data_dir", digits, *COMMON]
+    launch_jobs({
+        "with_ema": [*train, *EMA, "--output_dir", root / "with_ema"],
+        "without_ema": [*train, "--output_dir", root / "without_ema"],
+        # mid-epoch 0: 7 of its 10 optimizer steps done
+        "resumed": [*train, *EMA, "--output_dir", root / "resumed", "--resume_from_checkpoint",
+                    root / "with_ema" / "step_7"],
+    }, 2, root)
+    return root
 
 
 @pytest.fixture(scope="module")
-def without_ema(digits, tmp_path_factory):
-    out = tmp_path_factory.mktemp("without_ema")
-    launch(["--data_dir", digits, *COMMON, "--output_dir", out], num_processes=2)
-    return out
+def with_ema(two_process_runs):
+    """(output_dir, log): log, what both processes printed."""
+    return two_process_runs / "with_ema", job(two_process_runs, "with_ema", 2).stdout
+
+
+@pytest.fixture(scope="module")
+def without_ema(two_process_runs):
+    job(two_process_runs, "without_ema", 2)
+    return two_process_runs / "without_ema"
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(with_ema, without_ema, digits, tmp_path_factory):
+    """The 1-process launch, after the 2-process one: --eval_only of with_ema's best/ (eval/), predict.py --weights
+    ema on with_ema (ema.csv) and on without_ema (refused: no.csv), and the classifier under --compile with the
+    average (classifier/). Returns its folder."""
+    root = tmp_path_factory.mktemp("ema_1proc")
+    (root / "eval").mkdir()
+    (root / "eval" / "best").symlink_to(with_ema[0] / "best")
+    images = make_split_image_folder(root / "images", train_per_class=8, val_per_class=3)
+    launch_jobs({
+        "eval_best": [TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", root / "eval", "--eval_only",
+                      "--resume_from_checkpoint", "best", "--batch_size", "16"],
+        "predict_ema": [PREDICT, "--cpu", "--model_dir", with_ema[0], "--data_dir", digits, "--output_file",
+                        root / "ema.csv", "--weights", "ema"],
+        "predict_without_ema": [PREDICT, "--cpu", "--model_dir", without_ema, "--data_dir", digits, "--output_file",
+                                root / "no.csv", "--weights", "ema"],
+        # 4 classes x 8 images, batches of 4, 2 per optimizer step: 4 steps per epoch
+        "classifier": [CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", root / "classifier", "--model",
+                       "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0", "--batch_size",
+                       "4", "--gradient_accumulation_steps", "2", "--epochs", "2", "--optimizer", "adamw",
+                       "--learning_rate", "0.002", "--compile", "--model_ema", "--metric_for_best",
+                       "eval_ema_accuracy"],
+    }, 1, root, fails=["predict_without_ema"])
+    return root
 
 
 def evaluate_alone(weights: dict, digits, batch_size: int) -> tuple:
@@ -179,13 +219,9 @@ def test_the_average_changes_nothing_of_the_training(with_ema, without_ema):
     assert "model_ema_decay" not in (without_ema / "run.json").read_text()
 
 
-def test_a_resumed_run_ends_with_the_uninterrupted_runs_average_bit_for_bit(with_ema, digits, tmp_path):
-    full = with_ema[0]
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(full / "step_7", resumed / "step_7")  # mid-epoch 0: 7 of its 10 optimizer steps done
-    launch(["--data_dir", digits, *COMMON, *EMA, "--output_dir", resumed, "--resume_from_checkpoint", "latest"],
-           num_processes=2)
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_average_bit_for_bit(with_ema, two_process_runs):
+    full, resumed = with_ema[0], two_process_runs / "resumed"
+    job(two_process_runs, "resumed", 2)
     r, rr = results(full), results(resumed)
     assert rr["resumed_from"].endswith("step_7") and rr["ema_updates"] == STEPS
     assert (resumed / EMA_WEIGHTS).read_bytes() == (full / EMA_WEIGHTS).read_bytes()
@@ -195,11 +231,10 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_average_bit_for_bit(with
     assert (resumed / "best" / "model.safetensors").read_bytes() == (full / "best" / "model.safetensors").read_bytes()
 
 
-def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, digits, tmp_path):
+def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, digits, one_process_runs):
     """best/ keeps the average of the epoch with the lowest eval_ema_loss (here the last), as model.safetensors:
-    --eval_only on one process evaluates it as the 2-process run did; and plain PyTorch finds the same in
-    model_ema.safetensors. That one process runs alone (launched --eval_only runs: tests/test_train_mnist.py, and the
-    3-process one below)."""
+    --eval_only on one process (eval/, its best/ a link to with_ema's) evaluates it as the 2-process run did; and
+    plain PyTorch finds the same in model_ema.safetensors."""
     out = with_ema[0]
     r = results(out)
     assert (r["metric_for_best"], r["best_epoch"], r["best_eval_ema_loss"]) == ("eval_ema_loss", 1, r["eval_ema_loss"])
@@ -207,12 +242,8 @@ def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, 
     assert best.keys() == average.keys() == load_file(out / "model.safetensors").keys()
     assert all(torch.equal(best[key], average[key]) for key in best)
 
-    eval_out = tmp_path / "eval"
-    eval_out.mkdir()
-    (eval_out / "best").symlink_to(out / "best")
-    run_alone(["--data_dir", digits, "--output_dir", eval_out, "--eval_only", "--resume_from_checkpoint", "best",
-               "--batch_size", "16"])
-    evaluated = read_json(eval_out / "eval_results.json")
+    job(one_process_runs, "eval_best", 1)
+    evaluated = read_json(one_process_runs / "eval" / "eval_results.json")
     assert evaluated["eval_accuracy"] == r["eval_ema_accuracy"] < 1 and evaluated["eval_samples"] == 203
     # the loss to the 9th digit: on 2 processes the last batch of 11 digits is padded to 16, and the Linear layer
     # rounds a batch of 16 differently (docs/image_classification.md, results.json)
@@ -236,22 +267,19 @@ def test_eval_only_with_model_ema_evaluates_a_checkpoints_average_on_3_processes
     assert loss == pytest.approx(evaluated["eval_ema_loss"], rel=1e-5)
 
 
-def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_without_one(
-        with_ema, without_ema, digits, tmp_path):
-    """One process, run alone (predict.py's launched runs: tests/test_predict.py)."""
+def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_without_one(with_ema, one_process_runs):
+    """One process, jobs of the 1-process launch (predict.py's runs on several: tests/test_predict.py)."""
     out = with_ema[0]
-    output = tmp_path / "ema.csv"
-    run_alone(["--model_dir", out, "--data_dir", digits, "--output_file", output, "--weights", "ema"], script=PREDICT)
-    with open(output, newline="") as file:
+    job(one_process_runs, "predict_ema", 1)
+    with open(one_process_runs / "ema.csv", newline="") as file:
         table = list(csv.DictReader(file))
     assert sum(row["class_1"] == row["label"] for row in table) / len(table) == results(out)["eval_ema_accuracy"]
 
-    # refused before any work: predict.py alone, the one process that prints a --model_dir refusal (test_predict.py
-    # asks its others of main() in the test process; its launched refusal: --on_error stop)
-    proc = run_alone(["--model_dir", without_ema, "--data_dir", digits, "--output_file", tmp_path / "no.csv",
-                      "--weights", "ema"], script=PREDICT, check=False)
+    # refused before any work: the one predict.py process that prints a --model_dir refusal (test_predict.py asks its
+    # others of main() in the test process; its other refusal in a process: --on_error stop)
+    proc = job(one_process_runs, "predict_without_ema", 1, must_pass=False)
     assert_clean_user_error(proc, f"has no {EMA_WEIGHTS}", "trained without --model_ema", "drop --weights ema")
-    assert not (tmp_path / "no.csv").exists()
+    assert not (one_process_runs / "no.csv").exists()
     with pytest.raises(UserError, match="or it is a best/ folder"):
         read_trained_run(out / "best", EMA_WEIGHTS)
 
@@ -280,17 +308,13 @@ def test_a_checkpoint_and_the_flags_that_disagree_about_the_average_are_one_line
 # ---------------------------------------------------------------- train_image_classifier.py under --compile
 
 
-def test_classifier_keeps_the_average_of_the_compiled_model_with_gradient_accumulation(tmp_path):
+def test_classifier_keeps_the_average_of_the_compiled_model_with_gradient_accumulation(one_process_runs):
     """torch.compile wraps the model; the average is of the plain module inside (the same parameters), saved under
     its names. 4 classes x 8 images, batches of 4, 2 per optimizer step: 4 steps per epoch. The default decay
-    without warmup is far too slow for 8 steps: the run says so. One process, run alone (the classifier's launched
-    runs: tests/test_image_classifier.py)."""
-    images = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=3)
-    out = tmp_path / "out"
-    proc = run_alone(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn",
-                      "--image_size", "16", "--num_workers", "0", "--batch_size", "4", "--gradient_accumulation_steps",
-                      "2", "--epochs", "2", "--optimizer", "adamw", "--learning_rate", "0.002", "--compile",
-                      "--model_ema", "--metric_for_best", "eval_ema_accuracy"], script=CLASSIFIER)
+    without warmup is far too slow for 8 steps: the run says so. One process, a job of the 1-process launch (the
+    classifier's runs on several: tests/test_image_classifier.py)."""
+    out = one_process_runs / "classifier"
+    proc = job(one_process_runs, "classifier", 1)
     r = results(out)
     assert r["compiled"] and r["global_step"] == r["ema_updates"] == 8
     assert {"eval_ema_accuracy", "eval_ema_top5_accuracy", "eval_ema_loss"} <= r.keys()

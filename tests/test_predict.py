@@ -2,35 +2,41 @@
 same bytes on 1, 2 and 3 processes, the training run's accuracy, bad inputs as one line or one row, and the
 ONNX export checked with onnxruntime. One tiny image run and one MNIST run, trained once for the module.
 
-Processes (the suite's time is the number of processes it starts): the documented commands run as written, and every
-comparison across process counts is launched; one-process runs whose launched form is tested here or elsewhere run
-the script alone (`helpers.run_alone`: no launcher process), or predict.py's main() runs in the test process
-(`predict_in_this_process`): the refusals before the first prediction, the rows of a corrupt image, the bf16 line
-and the MNIST export."""
+Processes (the suite's time is the number of processes it starts): every launched run of this file is a job of one
+launch per process count (`launch_jobs`: tests/sample_recorder.py --jobs, each launched process importing torch and
+Accelerate once, then forking one child per job): on 1 process the two training runs, then the documented commands
+(their script and flags: `accelerate launch` or `python` without a flag of its own runs just that on one process)
+and the --on_error stop; on 3 processes the image and the MNIST predictions; the 2-process predictions are the one
+2-process run. predict.py's main() runs in the test process (`predict_in_this_process`) for the refusals before the
+first prediction, the rows of a corrupt image, the bf16 line and the MNIST export."""
 
 import csv
 import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
-from doc_commands import document_commands, runnable
+from doc_commands import ACCELERATE, document_commands, runnable
 from helpers import (
     REPO,
+    TRAIN_MNIST,
     assert_clean_user_error,
     launch,
+    launcher_args,
     load_script,
     make_synthetic_mnist,
     results,
     run,
-    run_alone,
     skip_or_fail_in_ci,
 )
 from image_data import make_split_image_folder
+from sample_recorder import jobs_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from utils.data.mnist import load_mnist_idx
@@ -43,31 +49,85 @@ CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 NUM_EVAL_IMAGES = 13  # neither 2 nor 3 processes divide it; with --batch_size 4 the last batch holds one image
 
 
+RECORDER = REPO / "tests" / "sample_recorder.py"
+
+
+def launch_jobs(jobs: dict, num_processes: int, folder, fails=(), env=None) -> None:
+    """One `accelerate launch` of N CPU processes running the jobs {NAME: [SCRIPT, *ARGS]} in turn
+    (tests/sample_recorder.py --jobs): each launched process imports torch and Accelerate once, then forks one child
+    per job, which runs SCRIPT ARGS as `python SCRIPT ARGS` would in a launched process (a launch of its own would cost
+    ~20 CPU-s more). A job may read what the ones before it wrote. Those named in `fails` must exit non-zero: refusals
+    that come before any process group, as a launch that ends well is held to helpers.run's exit check (a refusal out
+    of a DDP step leaves gloo's threads alive: a launch of its own). Unchecked: each test reads its jobs with job().
+    (Shared with tests/test_model_ema.py and tests/test_image_classifier.py.)"""
+    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
+        {"argv": argv, "sample_log": folder / name, "timeout": 600, "fails": name in fails}
+        for name, argv in jobs.items()])
+    run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs), env=env)
+
+
+def job(folder, name, num_processes: int, must_pass=True) -> subprocess.CompletedProcess:
+    """Job NAME of launch_jobs(..., folder) as a finished process: its exit status (0 where every process exited 0,
+    else the first other: a refusal's; -9 for a process killed at its timeout) and its output (each process's
+    stdout and stderr, rank 0's first). must_pass: fail, with that output, unless every process exited 0."""
+    outputs = [(folder / f"{name}.rank{rank}.out") for rank in range(num_processes)]
+    exits = [(folder / f"{name}.rank{rank}.exit") for rank in range(num_processes)]
+    statuses = [int(path.read_text()) if path.exists() else -9 for path in exits]
+    output = "".join(path.read_text() if path.exists() else "" for path in outputs)
+    assert not must_pass or statuses == [0] * num_processes, f"job {name} exited {statuses}:\n{output[-8000:]}"
+    return subprocess.CompletedProcess(name, next((s for s in statuses if s != 0), 0), output, "")
+
+
 @pytest.fixture(scope="module")
-def image_run(tmp_path_factory):
-    """(data, output_dir): a one-convolution CNN trained for one epoch on 4 classes of 16-px images, evaluated on
-    13; --metric_for_best also writes best/ (after the one epoch: the final weights). One process, run alone (the
-    classifier's launched runs: tests/test_image_classifier.py)."""
-    root = tmp_path_factory.mktemp("predict_images")
-    data = make_split_image_folder(root / "data", train_per_class=8, val_per_class=4)
-    for extra in sorted((data / "val").rglob("*.png"))[NUM_EVAL_IMAGES:]:
+def one_process_runs(tmp_path_factory):
+    """The 1-process launch: the image run and the MNIST run below, the documented commands that predict with them,
+    and the --on_error stop on a folder with a corrupt image, in that order. Returns its folder."""
+    root = tmp_path_factory.mktemp("predict_runs")
+    image_data = make_split_image_folder(root / "images", train_per_class=8, val_per_class=4)
+    for extra in sorted((image_data / "val").rglob("*.png"))[NUM_EVAL_IMAGES:]:
         extra.unlink()
-    out = root / "run"
-    run_alone(["--data_dir", data, "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--epochs", "1",
-               "--batch_size", "8", "--num_workers", "0", "--metric_for_best", "eval_accuracy", "--output_dir", out],
-              script=CLASSIFIER)
-    assert results(out)["eval_samples"] == NUM_EVAL_IMAGES
-    return data, out
+    mnist_data = make_synthetic_mnist(root / "digits", num_train=256, num_test=203)
+    corrupt = corrupt_folder(image_data, root / "new_images")
+    jobs = {
+        "image_run": [CLASSIFIER, "--cpu", "--data_dir", image_data, "--model", "tests.sample_recorder:tiny_cnn",
+                      "--image_size", "16", "--epochs", "1", "--batch_size", "8", "--num_workers", "0",
+                      "--metric_for_best", "eval_accuracy", "--output_dir", root / "image_run"],
+        "mnist_run": [TRAIN_MNIST, "--cpu", "--data_dir", mnist_data, "--epochs", "1", "--output_dir",
+                      root / "mnist_run"],
+        **{name: argv for name, (_, argv, _) in documented_jobs(
+            (image_data, root / "image_run"), (mnist_data, root / "mnist_run"), root / "documented").items()},
+        "on_error_stop": [PREDICT, "--cpu", "--model_dir", root / "image_run", "--data_dir", corrupt, "--output_file",
+                          root / "stopped" / "predictions.csv", "--on_error", "stop", "--num_workers", "0"],
+    }
+    (root / "documented").mkdir()
+    (root / "stopped").mkdir()
+    launch_jobs(jobs, 1, root, fails=["on_error_stop"], env={"CUDA_VISIBLE_DEVICES": ""})
+    return root
+
+
+def corrupt_folder(image_data, folder):
+    """A flat folder: 4 of the evaluation images (0.png to 3.png), and 2_broken.png, a PNG header then nothing."""
+    folder.mkdir()
+    for i, image in enumerate(sorted((image_data / "val").rglob("*.png"))[:4]):
+        shutil.copy(image, folder / f"{i}.png")
+    (folder / "2_broken.png").write_bytes((folder / "2.png").read_bytes()[:60])
+    return folder
 
 
 @pytest.fixture(scope="module")
-def mnist_run(tmp_path_factory):
-    """(data, output_dir): the ConvNet after one epoch on 256 generated digits, evaluated on 203 (= 7 x 29). One
-    process, run alone (train_mnist.py's launched runs: tests/test_train_mnist.py and most others)."""
-    root = tmp_path_factory.mktemp("predict_mnist")
-    data = make_synthetic_mnist(root / "data", num_train=256, num_test=203)
-    run_alone(["--data_dir", data, "--epochs", "1", "--output_dir", root / "run"])
-    return data, root / "run"
+def image_run(one_process_runs):
+    """(data, output_dir): a one-convolution CNN trained for one epoch on 4 classes of 16-px images, evaluated on
+    13; --metric_for_best also writes best/ (after the one epoch: the final weights)."""
+    job(one_process_runs, "image_run", 1)
+    assert results(one_process_runs / "image_run")["eval_samples"] == NUM_EVAL_IMAGES
+    return one_process_runs / "images", one_process_runs / "image_run"
+
+
+@pytest.fixture(scope="module")
+def mnist_run(one_process_runs):
+    """(data, output_dir): the ConvNet after one epoch on 256 generated digits, evaluated on 203 (= 7 x 29)."""
+    job(one_process_runs, "mnist_run", 1)
+    return one_process_runs / "digits", one_process_runs / "mnist_run"
 
 
 # The batch sizes the tests below compare the documented commands' files with: 13 images in batches of 4 (the last holds
@@ -75,21 +135,23 @@ def mnist_run(tmp_path_factory):
 DOCUMENTED_BATCH_SIZE = {"images": 4, "mnist": 64, "onnx": 8}
 
 
-@pytest.fixture(scope="module")
-def documented(image_run, mnist_run, tmp_path_factory):
-    """The predict.py commands of the README and docs/ (docs/predict_and_export.md), each run once as written plus
-    --cpu, tiny data and a batch size (later flags override earlier ones): {(what, data, folder): (process, file)},
-    what "csv" or "onnx", data "images" or "mnist", folder "best" or "run". The tests below read their files: the
-    1-process predictions from best/ and on MNIST, and the image run's export. On 1 process as the commands say, also
-    where GPUs would make `accelerate launch` start one process per GPU (none visible: they predict with --cpu)."""
-    folder = tmp_path_factory.mktemp("documented")
+def documented_jobs(image_run, mnist_run, folder) -> dict:
+    """The predict.py commands of the README and docs/ (docs/predict_and_export.md) as jobs, each as written plus
+    --cpu, tiny data and a batch size (later flags override earlier ones): {"documented_I": ((what, data, folder),
+    [SCRIPT, *ARGS], FILE)}, what "csv" or "onnx", data "images" or "mnist", folder "best" or "run"; FILE is
+    FOLDER/I.csv or I.onnx. Each command is `accelerate launch` or `python` without a flag of its own: one process, as
+    the job runs it (also where GPUs would make `accelerate launch` start one process per GPU: none is visible)."""
     commands = [c for _, c in document_commands() if "scripts/predict.py" in c]
     assert len(commands) >= 3, "the documents show how to predict on images and on MNIST, and how to export"
-    ran = {}
+    jobs = {}
     for i, command in enumerate(commands):
         what = "onnx" if "--export" in command else "csv"
         if what == "onnx" and importlib.util.find_spec("onnxruntime") is None:
             continue  # the export tests below say what is missing
+        words = [str(word) for word in runnable(command)]
+        script_at = words.index("scripts/predict.py")
+        assert words[:script_at] in ([sys.executable], [*map(str, ACCELERATE), "launch"]), \
+            f"{command}: a launcher flag of its own; run this command whole, not as a job of the 1-process launch"
         data_kind = "mnist" if "MNIST" in command else "images"
         data, out = mnist_run if data_kind == "mnist" else image_run
         model_dir = out / "best" if "/best" in command else out
@@ -97,10 +159,36 @@ def documented(image_run, mnist_run, tmp_path_factory):
         flags = ["--model_dir", model_dir, "--data_dir", data, "--cpu", "--num_workers", "0",
                  "--export_file" if what == "onnx" else "--output_file", written,
                  "--batch_size", DOCUMENTED_BATCH_SIZE["onnx" if what == "onnx" else data_kind]]
-        proc = run([*runnable(command), *flags], env={"CUDA_VISIBLE_DEVICES": ""})
-        assert written.is_file(), command
-        ran.setdefault((what, data_kind, "best" if "/best" in command else "run"), (proc, written))
+        key = (what, data_kind, "best" if "/best" in command else "run")
+        jobs[f"documented_{i}"] = key, [REPO / words[script_at], *words[script_at + 1:], *flags], written
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def documented(one_process_runs, image_run, mnist_run):
+    """The documented commands' runs (documented_jobs): {(what, data, folder): (process, file)}. The tests below read
+    their files: the 1-process predictions from best/ and on MNIST, and the image run's export."""
+    ran = {}
+    for name, (key, argv, written) in documented_jobs(image_run, mnist_run, one_process_runs / "documented").items():
+        proc = job(one_process_runs, name, 1)
+        assert written.is_file(), argv
+        ran.setdefault(key, (proc, written))
     return ran
+
+
+@pytest.fixture(scope="module")
+def three_process_predictions(image_run, mnist_run, tmp_path_factory):
+    """The 3-process launch: the image run's predictions in batches of 4, the MNIST run's in batches of 64. Returns
+    its folder (images.csv, mnist.csv)."""
+    folder = tmp_path_factory.mktemp("three_processes")
+    (image_data, image_out), (mnist_data, mnist_out) = image_run, mnist_run
+    launch_jobs({
+        "images": [PREDICT, "--cpu", "--model_dir", image_out, "--data_dir", image_data, "--output_file",
+                   folder / "images.csv", "--batch_size", "4", "--num_workers", "0"],
+        "mnist": [PREDICT, "--cpu", "--model_dir", mnist_out, "--data_dir", mnist_data, "--output_file",
+                  folder / "mnist.csv", "--batch_size", "64"],
+    }, 3, folder)
+    return folder
 
 
 def documented_run(documented, *key):
@@ -138,16 +226,16 @@ def top1_accuracy(table) -> float:
     return sum(row["class_1"] == row["label"] for row in table) / len(table)
 
 
-def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_accuracy(image_run, documented,
-                                                                                        tmp_path):
+def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_accuracy(
+        image_run, documented, three_process_predictions, tmp_path):
     data, out = image_run
     # 1 process reads best/ (its records are in the run folder above it): the documented command, in batches of 4
     proc, one = documented_run(documented, "csv", "images", "best")
     outputs = {1: (proc, one)}
-    for num_processes in (2, 3):  # the run folder: the same weights
-        output = tmp_path / f"predictions_{num_processes}.csv"
-        proc = predict(out, data, output, num_processes, "--batch_size", "4", "--num_workers", "0")
-        outputs[num_processes] = proc, output
+    # 2 and 3 processes read the run folder (the same weights), in batches of 4
+    two = tmp_path / "predictions_2.csv"
+    outputs[2] = predict(out, data, two, 2, "--batch_size", "4", "--num_workers", "0"), two
+    outputs[3] = job(three_process_predictions, "images", 3), three_process_predictions / "images.csv"
     files = {}
     for num_processes, (proc, output) in outputs.items():
         assert f"on {num_processes} process(es)" in proc.stdout, proc.stdout  # the process count really was N
@@ -170,15 +258,16 @@ def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_a
     assert f"accuracy {results(out)['eval_accuracy']:.4f} on {NUM_EVAL_IMAGES} labelled inputs" in proc.stdout
 
 
-def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mnist_run, documented, tmp_path, capsys):
+def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(
+        mnist_run, documented, three_process_predictions, tmp_path, capsys):
     """203 digits in batches of 64: the last one holds 11. Without padding it to a whole batch, the 1-process
     file differed from the 2- and 3-process ones in one probability's 6th decimal on this data (0.259358 and
     0.259359): the CPU rounds a batch of 11 differently from one of 64. 1 process: the documented command."""
     data, out = mnist_run
     proc, one = documented_run(documented, "csv", "mnist", "run")
     assert "on 1 process(es)" in proc.stdout, proc.stdout
-    three = tmp_path / "three.csv"
-    proc = predict(out, data, three, 3, "--batch_size", "64")
+    three = three_process_predictions / "mnist.csv"
+    proc = job(three_process_predictions, "mnist", 3)
     assert "on 3 process(es)" in proc.stdout
     assert one.read_bytes() == three.read_bytes()
     table = rows(one)
@@ -197,16 +286,14 @@ def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(mn
         in printed
 
 
-def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and_no_file(image_run, tmp_path, capsys):
-    """A flat folder: unlabelled images, read whole, in file-name order. The rows on one process, in the test process;
-    the stop launched: predict.py's launched check of its one error line."""
-    data, out = image_run
-    folder = tmp_path / "new_images"
-    folder.mkdir()
-    for i, image in enumerate(sorted((data / "val").rglob("*.png"))[:4]):
-        shutil.copy(image, folder / f"{i}.png")
+def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and_no_file(
+        one_process_runs, image_run, tmp_path, capsys):
+    """A flat folder (corrupt_folder): unlabelled images, read whole, in file-name order. The rows on one process, in
+    the test process; the stop launched (a job of the 1-process launch): predict.py's launched check of its one error
+    line."""
+    _, out = image_run
+    folder = one_process_runs / "new_images"
     broken = folder / "2_broken.png"
-    broken.write_bytes((folder / "2.png").read_bytes()[:60])  # a PNG header, then nothing
     output = tmp_path / "predictions.csv"
     predict_in_this_process("--cpu", "--model_dir", out, "--data_dir", folder, "--output_file", output, "--top_k", "2",
                             "--num_workers", "0")
@@ -222,10 +309,10 @@ def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and
     assert all(row["class_1"] and float(row["probability_1"]) > 0 for row in table if row is not bad)
     assert "1 unreadable" in printed
 
-    output.unlink()
-    proc = predict(out, folder, output, 1, "--on_error", "stop", "--num_workers", "0", check=False)
+    stopped = one_process_runs / "stopped"  # --on_error stop, into stopped/predictions.csv
+    proc = job(one_process_runs, "on_error_stop", 1, must_pass=False)
     assert_clean_user_error(proc, str(broken), "cannot be decoded")
-    assert not output.exists() and not list(tmp_path.glob(".predictions.csv*"))
+    assert stopped.is_dir() and not any(stopped.iterdir())  # no predictions.csv, nor a temporary .predictions.csv*
 
 
 def test_a_missing_or_mismatched_model_dir_a_folder_without_images_and_an_unwritable_output_are_one_line_each(

@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from helpers import (
     training_processes,
     wait_for_path,
 )
+from sample_recorder import jobs_file
 
 from utils.errors import UserError
 from utils.launch.launch_checks import check_enough_devices
@@ -36,6 +38,7 @@ from utils.run.checkpoints import TMP_PREFIX
 from utils.run.run_folder import one_training_at_a_time
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
+RECORDER = REPO / "tests" / "sample_recorder.py"
 
 
 @pytest.fixture(scope="module")
@@ -56,24 +59,40 @@ def uninterrupted(data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_process_runs(data, tmp_path_factory):
-    """One process, uninterrupted, then resumed from its step_45 (13 batches into epoch 1). The uninterrupted run is
-    started with --resume_from_checkpoint latest too, into an empty folder, as a job script's every attempt is.
-    The script alone, as accelerate's one-process launcher runs it: the launched one-process runs are
-    test_one_training_per_folder_...'s."""
+    """One process, uninterrupted ("full"), then resumed from its step_45 (13 batches into epoch 1, "resumed"), and a
+    run whose loss diverges ("diverging"). The uninterrupted run is started with --resume_from_checkpoint latest too,
+    into an empty folder, as a job script's every attempt is. Jobs of tests/sample_recorder.py --jobs, which runs alone
+    (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs a script: the launched one-process
+    runs are test_one_training_per_folder_...'s), each forked from the one process that imported the libraries: its
+    output in RUNS/NAME.log.rank0.out, its exit status in RUNS/NAME.log.rank0.exit."""
     runs = tmp_path_factory.mktemp("one_process")
-    args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45",
-            "--resume_from_checkpoint", "latest"]
-    full = run_alone([*args, "--output_dir", runs / "full"])
-    (runs / "full.log").write_text(full.stdout + full.stderr)
-    (runs / "resumed").mkdir()
-    shutil.copytree(runs / "full" / "step_45", runs / "resumed" / "step_45")
-    run_alone([*args, "--output_dir", runs / "resumed"])
+    args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45"]
+    jobs = {
+        "full": [*args, "--output_dir", runs / "full", "--resume_from_checkpoint", "latest"],
+        "resumed": [*args, "--output_dir", runs / "resumed", "--resume_from_checkpoint", runs / "full" / "step_45"],
+        "diverging": ["--data_dir", data, "--output_dir", runs / "diverging", "--learning_rate", "1e30", "--batch_size",
+                      "16", "--checkpointing_steps", "1"],
+    }
+    manifest = jobs_file(runs / "jobs.json", [
+        {"argv": [TRAIN_MNIST, "--cpu", *argv], "sample_log": runs / f"{name}.log", "timeout": 600,
+         "fails": name == "diverging"} for name, argv in jobs.items()])
+    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+        env={"OMP_NUM_THREADS": "1"})  # the one thread per process that the launcher gives
     return runs
 
 
+def ended(runs, name: str) -> tuple:
+    """Job NAME's exit status and output (its stdout and stderr in one file)."""
+    status = (runs / f"{name}.log.rank0.exit").read_text() if (runs / f"{name}.log.rank0.exit").exists() else None
+    return status, (runs / f"{name}.log.rank0.out").read_text()
+
+
 def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):
+    for name in ("full", "resumed"):
+        status, output = ended(one_process_runs, name)
+        assert status == "0", output[-6000:]
     full, resumed = results(one_process_runs / "full"), results(one_process_runs / "resumed")
-    assert resumed["resumed_from"] == str(one_process_runs / "resumed" / "step_45")
+    assert resumed["resumed_from"] == str(one_process_runs / "full" / "step_45")
     assert (one_process_runs / "resumed" / "model.safetensors").read_bytes() == \
         (one_process_runs / "full" / "model.safetensors").read_bytes()
     assert resumed["global_step"] == full["global_step"] == 64
@@ -81,7 +100,9 @@ def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):
 
 
 def test_resume_latest_with_no_checkpoint_starts_from_scratch(one_process_runs):
-    assert "starting from scratch" in (one_process_runs / "full.log").read_text()
+    status, output = ended(one_process_runs, "full")
+    assert status == "0", output[-6000:]
+    assert "starting from scratch" in output
     r = results(one_process_runs / "full")
     assert r["resumed_from"] is None and r["samples_seen"] == 2 * 1024
 
@@ -344,14 +365,14 @@ def holder_pid(output_dir) -> int | None:
     return int(found[1]) if found else None
 
 
-def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(data, tmp_path):
-    proc = run_alone(["--data_dir", data, "--output_dir", tmp_path, "--learning_rate", "1e30", "--batch_size", "16",
-                      "--checkpointing_steps", "1"], check=False)
-    assert proc.returncode == 1
-    (line,) = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
-    assert "the loss became nan at step 2" in line and str(tmp_path / "step_1") in line, line
-    assert "Traceback" not in proc.stderr
-    assert not (tmp_path / "results.json").exists()
+def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(one_process_runs):
+    status, output = ended(one_process_runs, "diverging")
+    out = one_process_runs / "diverging"
+    assert status == "1", output[-6000:]
+    (line,) = [l for l in output.splitlines() if l.startswith("error: ")]
+    assert "the loss became nan at step 2" in line and str(out / "step_1") in line, line
+    assert "Traceback" not in output
+    assert not (out / "results.json").exists()
 
 
 @pytest.mark.gpu

@@ -2,20 +2,25 @@
 every sample of every epoch is trained once, the global batch and the schedule are kept, and
 where the global batch cannot be kept one `error:` line names flags that keep it. On 2 processes
 again, a mid-epoch resume with gradient accumulation is bit-exact. `latest` skips a damaged checkpoint
-(issue 23: its launched check is on this file's resume on 1 process).
+(issue 23: its launched check is on this file's resume on 3 processes).
 
-The launches are shared: one uninterrupted run; its resume on 2 processes, which also saves the epoch_0 the
-epoch-boundary resumes start from; one launch per other resume. One-process resumes run the script alone
-(`python script.py`, as accelerate's one-process launcher runs it), bar step_2's, which stays launched."""
+The runs share launches, one per process count, each run a job of tests/sample_recorder.py --jobs (forked from
+processes that imported the libraries once): on 2 processes the uninterrupted runs and the resume that follows one
+(which also saves the epoch_0 the epoch-boundary resumes start from); then the resumes on 3 processes, on 4, and on 1,
+where the recorder runs alone (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs
+a script)."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
-from helpers import REPO, assert_clean_user_error, launch, make_synthetic_mnist, results, run_alone
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launcher_args, make_synthetic_mnist, results, run
 from image_data import make_split_image_folder
+from sample_recorder import jobs_file
 
 from utils.errors import UserError
 from utils.run.checkpoints import check_checkpoint
@@ -23,6 +28,7 @@ from utils.run.progress import TrainingProgress
 from utils.run.resume import batches_to_skip, resolve_checkpoint
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
+RECORDER = REPO / "tests" / "sample_recorder.py"
 # 720 digits; 2 processes x 24 per batch x 3 accumulation steps = 144 samples per optimizer step:
 # 5 steps per epoch, and no padding on 1, 2, 3 or 4 processes (720 is a multiple of each global batch).
 MNIST_RUN = ["--epochs", "2", "--batch_size", "24", "--gradient_accumulation_steps", "3"]
@@ -60,34 +66,26 @@ def test_each_sample_is_trained_once_per_epoch_across_the_restart(num_processes,
     assert len(repeats) == padding and set(repeats) <= set(order[:padding + batch_size * num_processes])
 
 
-@pytest.fixture(scope="module")
-def saved_on_2(tmp_path_factory):
-    """The uninterrupted 2-process run, with a checkpoint every 2 optimizer steps ("steps"), and its resume from step_2
-    on 2 processes again ("resumed_on_2"), which saves at each epoch's end: its epoch_0 is saved on 2 processes, and is
-    the uninterrupted run's state there (the resume is bit-exact: the test below)."""
-    data = make_synthetic_mnist(tmp_path_factory.mktemp("resume_data"), num_train=720, num_test=101)
-    steps = tmp_path_factory.mktemp("saved_steps")
-    launch(["--data_dir", data, "--output_dir", steps, *MNIST_RUN, "--checkpointing_steps", "2"], num_processes=2)
-    resumed = tmp_path_factory.mktemp("resumed_on_2")
-    shutil.copytree(steps / "step_2", resumed / "step_2")
-    launch(["--data_dir", data, "--output_dir", resumed, *MNIST_RUN, "--checkpointing_steps", "epoch",
-            "--resume_from_checkpoint", "latest"], num_processes=2)
-    return data, {"steps": steps, "resumed_on_2": resumed}
+def run_jobs(jobs: dict, num_processes: int, folder, fails=()) -> None:
+    """tests/sample_recorder.py --jobs: each job {NAME: SCRIPT ARGS} in turn, in one launch on NUM_PROCESSES (on 1:
+    the recorder alone, as accelerate's one-process launcher runs a script), its output in FOLDER/NAME.log.rank{R}.out;
+    those named in `fails` must exit non-zero. Unchecked here: each test reads its job (finished)."""
+    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
+        {"argv": [script, "--cpu", *args], "sample_log": folder / f"{name}.log", "timeout": 600, "fails": name in fails}
+        for name, (script, *args) in jobs.items()])
+    command = [*launcher_args(num_processes)] if num_processes > 1 else [sys.executable]
+    run([*command, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+        env={"OMP_NUM_THREADS": "1"} if num_processes == 1 else None)  # the one thread the launcher would give
 
 
-def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bit_exact(saved_on_2):
-    """step_2 is 6 of each process's 15 batches into epoch 0, accumulating over 3: resumed on 2 processes again, the
-    run ends with the uninterrupted run's weights, bit for bit."""
-    _, runs = saved_on_2
-    resumed = runs["resumed_on_2"]
-    r, reference = results(resumed), results(runs["steps"])
-    assert r["num_processes"] == 2 and r["gradient_accumulation_steps"] == 3 and r["resumed_from"].endswith("step_2")
-    assert r["global_step"] == reference["global_step"] == 10 and r["samples_seen"] == reference["samples_seen"] == 1440
-    assert r["parameter_fingerprints"] == reference["parameter_fingerprints"]
-    assert r["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-12)
-    assert (r["eval_accuracy"], r["eval_loss"]) == (reference["eval_accuracy"], reference["eval_loss"])
-    # last: where the weights differ, pytest's explanation of two unequal 120 kB byte strings takes many minutes
-    assert (resumed / "model.safetensors").read_bytes() == (runs["steps"] / "model.safetensors").read_bytes()
+def finished(folder, name: str, num_processes: int, fails: bool = False) -> subprocess.CompletedProcess:
+    """Job NAME as a finished process: rank 0's exit status (every rank's must agree, 0 unless it `fails`) and every
+    rank's output, in its stderr (each rank's stdout and stderr are one file)."""
+    exits = [folder / f"{name}.log.rank{rank}.exit" for rank in range(num_processes)]
+    output = "".join((folder / f"{name}.log.rank{rank}.out").read_text() for rank in range(num_processes))
+    statuses = [int(path.read_text()) if path.exists() else None for path in exits]
+    assert statuses == [statuses[0]] * num_processes and (statuses[0] != 0) == fails, f"{statuses}\n{output[-6000:]}"
+    return subprocess.CompletedProcess(name, statuses[0], "", output)
 
 
 def _truncate_optimizer(checkpoint):
@@ -95,23 +93,87 @@ def _truncate_optimizer(checkpoint):
         f.truncate(1000)  # as a full disk or a copy cut short leaves it
 
 
+# The resumes on other process counts: (checkpoint, processes, flags, accumulation they set to keep the global batch)
+RESUMES = [
+    # 288 samples into epoch 0
+    ("step_2", 1, [], 6), ("step_2", 3, [], 2),
+    ("step_2", 4, ["--batch_size", "18", "--gradient_accumulation_steps", "2"], 2),
+    # the end of epoch 0 (on 1 process OneCycleLR's restored schedule used to overrun here)
+    ("epoch_0", 1, [], 6), ("epoch_0", 3, [], 2),
+]
+# 240 training images, 2 processes x 8 x 2 = 32 per step: 7 steps per epoch on any process count
+# (whole global batches only; the 16 images left over change with each epoch's shuffle).
+CLASSIFIER_RUN = ["--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer", "adamw",
+                  "--num_workers", "0", "--epochs", "2", "--batch_size", "8", "--gradient_accumulation_steps", "2"]
+
+
 @pytest.fixture(scope="module")
-def step_2_resumed_on_1(saved_on_2, tmp_path_factory):
-    """step_2 resumed by `latest` on 1 process (launched), with the uninterrupted run's step_4 beside it, truncated:
-    `latest` skips it, and this run saves it again (--checkpointing_steps 2). Two tests read it."""
-    data, runs = saved_on_2
-    out = tmp_path_factory.mktemp("step_2_on_1")
-    for name in ("step_2", "step_4"):
-        shutil.copytree(runs["steps"] / name, out / name)
-    _truncate_optimizer(out / "step_4")
-    proc = launch(["--data_dir", data, "--output_dir", out, *MNIST_RUN, "--checkpointing_steps", "2",
-                   "--resume_from_checkpoint", "latest"], num_processes=1)
-    return proc, out
+def runs(tmp_path_factory):
+    """Every run of this file, in one folder each, and its job's logs in `jobs`.
+
+    On 2 processes: the uninterrupted MNIST run, with a checkpoint every 2 optimizer steps ("steps"); its resume from
+    step_2 on 2 processes again ("resumed_on_2"), which saves at each epoch's end: its epoch_0 is saved on 2 processes,
+    and is the uninterrupted run's state there (the resume is bit-exact: the test below); the classifier's run
+    ("classifier", a checkpoint every 3 steps). Then each of RESUMES ("{checkpoint}_on_{processes}") from a copy of its
+    checkpoint with `latest`: step_2's on 3 processes with the uninterrupted run's step_4 beside it, truncated (`latest`
+    skips it, and the run saves it again: --checkpointing_steps 2); on 1 process also the refused global batch
+    ("refused") and the classifier's step_3 ("classifier_on_1")."""
+    data = make_synthetic_mnist(tmp_path_factory.mktemp("resume_data"), num_train=720, num_test=101)
+    images = make_split_image_folder(tmp_path_factory.mktemp("resume_images"))
+    root, jobs = tmp_path_factory.mktemp("resume_runs"), tmp_path_factory.mktemp("resume_jobs")
+    mnist = [TRAIN_MNIST, "--data_dir", data, *MNIST_RUN]
+    run_jobs({
+        "steps": [*mnist, "--output_dir", root / "steps", "--checkpointing_steps", "2"],
+        "resumed_on_2": [*mnist, "--output_dir", root / "resumed_on_2", "--checkpointing_steps", "epoch",
+                         "--resume_from_checkpoint", root / "steps" / "step_2"],
+        "classifier": [CLASSIFIER, "--data_dir", images, *CLASSIFIER_RUN, "--output_dir", root / "classifier",
+                       "--checkpointing_steps", "3"],
+    }, 2, jobs)
+    by_processes = {}
+    for checkpoint, num_processes, flags, _ in RESUMES:
+        name = f"{checkpoint}_on_{num_processes}"
+        source = root / ("steps" if checkpoint.startswith("step") else "resumed_on_2") / checkpoint
+        shutil.copytree(source, root / name / checkpoint)
+        more = []
+        if name == "step_2_on_3":
+            shutil.copytree(root / "steps" / "step_4", root / name / "step_4")
+            _truncate_optimizer(root / name / "step_4")
+            more = ["--checkpointing_steps", "2"]
+        by_processes.setdefault(num_processes, {})[name] = [
+            *mnist, *flags, "--output_dir", root / name, "--resume_from_checkpoint", "latest", *more]
+    shutil.copytree(root / "steps" / "step_2", root / "refused" / "step_2")
+    # 144 samples on 1 process: 40 does not divide them, 36 x 4 does
+    by_processes[1]["refused"] = [*mnist, "--batch_size", "40", "--output_dir", root / "refused",
+                                  "--resume_from_checkpoint", "latest"]
+    shutil.copytree(root / "classifier" / "step_3", root / "classifier_on_1" / "step_3")
+    by_processes[1]["classifier_on_1"] = [CLASSIFIER, "--data_dir", images, *CLASSIFIER_RUN, "--output_dir",
+                                          root / "classifier_on_1", "--resume_from_checkpoint", "latest"]
+    for num_processes in (3, 4, 1):
+        run_jobs(by_processes[num_processes], num_processes, jobs, fails=["refused"])
+    return root, jobs
 
 
-def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(saved_on_2, step_2_resumed_on_1, tmp_path):
-    proc, out = step_2_resumed_on_1
-    log = proc.stdout + proc.stderr
+def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bit_exact(runs):
+    """step_2 is 6 of each process's 15 batches into epoch 0, accumulating over 3: resumed on 2 processes again, the
+    run ends with the uninterrupted run's weights, bit for bit."""
+    root, jobs = runs
+    finished(jobs, "steps", 2)
+    finished(jobs, "resumed_on_2", 2)
+    resumed = root / "resumed_on_2"
+    r, reference = results(resumed), results(root / "steps")
+    assert r["num_processes"] == 2 and r["gradient_accumulation_steps"] == 3 and r["resumed_from"].endswith("step_2")
+    assert r["global_step"] == reference["global_step"] == 10 and r["samples_seen"] == reference["samples_seen"] == 1440
+    assert r["parameter_fingerprints"] == reference["parameter_fingerprints"]
+    assert r["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-12)
+    assert (r["eval_accuracy"], r["eval_loss"]) == (reference["eval_accuracy"], reference["eval_loss"])
+    # last: where the weights differ, pytest's explanation of two unequal 120 kB byte strings takes many minutes
+    assert (resumed / "model.safetensors").read_bytes() == (root / "steps" / "model.safetensors").read_bytes()
+
+
+def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(runs, tmp_path):
+    root, jobs = runs
+    out = root / "step_2_on_3"
+    log = finished(jobs, "step_2_on_3", 3).stderr  # every process's output
     # one warning line, in the run's log format (time, level, message)
     skipped = [line.split(" WARNING ", 1)[1] for line in log.splitlines() if "skipping damaged checkpoint" in line]
     assert skipped == ["--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (optimizer.bin has 1000 "
@@ -121,9 +183,8 @@ def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(saved_on
 
     # Named, it is refused before anything loads. Asked in-process: the script's one line for a damaged checkpoint
     # named is launched by test_errors.py::test_resume_from_corrupt_checkpoint.
-    _, runs = saved_on_2
     for name in ("step_2", "step_4"):
-        shutil.copytree(runs["steps"] / name, tmp_path / name)
+        shutil.copytree(root / "steps" / name, tmp_path / name)
     _truncate_optimizer(tmp_path / "step_4")
     with pytest.raises(UserError) as refused:
         resolve_checkpoint(str(tmp_path / "step_4"), tmp_path)
@@ -131,24 +192,13 @@ def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(saved_on
                                   f"when saved); resume from the newest good one, {tmp_path / 'step_2'}")
 
 
-@pytest.mark.parametrize("checkpoint, num_processes, flags, accumulation", [
-    # 288 samples into epoch 0
-    ("step_2", 1, [], 6), ("step_2", 3, [], 2),
-    ("step_2", 4, ["--batch_size", "18", "--gradient_accumulation_steps", "2"], 2),
-    # the end of epoch 0 (on 1 process OneCycleLR's restored schedule used to overrun here)
-    ("epoch_0", 1, [], 6), ("epoch_0", 3, [], 2),
-])
-def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, request, tmp_path, checkpoint, num_processes,
-                                                            flags, accumulation):
-    data, runs = saved_on_2
-    source = runs["steps" if checkpoint.startswith("step") else "resumed_on_2"]
-    if (checkpoint, num_processes) == ("step_2", 1):  # launched once, for the damaged-checkpoint test too
-        proc, tmp_path = request.getfixturevalue("step_2_resumed_on_1")
-    else:
-        shutil.copytree(source / checkpoint, tmp_path / checkpoint)
-        args = ["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, *flags, "--resume_from_checkpoint", "latest"]
-        proc = run_alone(args) if num_processes == 1 else launch(args, num_processes=num_processes)
-    r, reference = results(tmp_path), results(source)
+@pytest.mark.parametrize("checkpoint, num_processes, flags, accumulation", RESUMES)
+def test_train_mnist_resumes_on_another_number_of_processes(runs, checkpoint, num_processes, flags, accumulation):
+    root, jobs = runs
+    name = f"{checkpoint}_on_{num_processes}"
+    proc, out = finished(jobs, name, num_processes), root / name
+    source = root / ("steps" if checkpoint.startswith("step") else "resumed_on_2")
+    r, reference = results(out), results(source)
     assert r["num_processes"] == num_processes and r["resumed_from"].endswith(checkpoint)
     assert r["gradient_accumulation_steps"] == accumulation
     assert r["global_batch_size"] == reference["global_batch_size"] == 144
@@ -160,34 +210,26 @@ def test_train_mnist_resumes_on_another_number_of_processes(saved_on_2, request,
     assert len(r["parameter_fingerprints"]) == num_processes and len(set(r["parameter_fingerprints"])) == 1
     adjusted = f"--gradient_accumulation_steps {accumulation} keeps the checkpoint's global batch" in proc.stderr
     assert adjusted == (not flags)  # said when the accumulation was changed, not when the flags already fit
-    saved = json.loads((tmp_path / checkpoint / "training_state.json").read_text())
+    saved = json.loads((out / checkpoint / "training_state.json").read_text())
     assert saved["num_processes"] == 2 and saved["global_batch_size"] == 144
 
 
-def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(saved_on_2, tmp_path):
-    data, runs = saved_on_2
-    shutil.copytree(runs["steps"] / "step_2", tmp_path / "step_2")
+def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(runs):
+    root, jobs = runs
     # refused before training: the script alone (a resume's refusal is launched by test_errors.py)
-    proc = run_alone(["--data_dir", data, "--output_dir", tmp_path, *MNIST_RUN, "--batch_size", "40",
-                      "--resume_from_checkpoint", "latest"], check=False)
+    proc = finished(jobs, "refused", 1, fails=True)
     # 144 samples on 1 process: 40 does not divide them, 36 x 4 does
     assert_clean_user_error(proc, "global batch is 144", "--batch_size 36 --gradient_accumulation_steps 4")
-    assert not (tmp_path / "results.json").exists()
+    assert not (root / "refused" / "results.json").exists()
 
 
-def test_train_image_classifier_resumes_mid_epoch_on_one_process(tmp_path_factory, tmp_path):
+def test_train_image_classifier_resumes_mid_epoch_on_one_process(runs):
     """240 training images, 2 processes x 8 x 2 = 32 per step: 7 steps per epoch on any process count
     (whole global batches only; the 16 images left over change with each epoch's shuffle)."""
-    folder = make_split_image_folder(tmp_path_factory.mktemp("resume_images"))
-    common = ["--data_dir", folder, "--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer",
-              "adamw", "--num_workers", "0", "--epochs", "2", "--batch_size", "8", "--gradient_accumulation_steps", "2"]
-    saved = tmp_path / "saved"
-    launch([*common, "--output_dir", saved, "--checkpointing_steps", "3"], num_processes=2, script=CLASSIFIER)
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(saved / "step_3", resumed / "step_3")
-    run_alone([*common, "--output_dir", resumed, "--resume_from_checkpoint", "latest"], script=CLASSIFIER)
-    r, reference = results(resumed), results(saved)
+    root, jobs = runs
+    finished(jobs, "classifier", 2)
+    finished(jobs, "classifier_on_1", 1)
+    r, reference = results(root / "classifier_on_1"), results(root / "classifier")
     assert r["num_processes"] == 1 and r["gradient_accumulation_steps"] == 4
     assert r["global_step"] == r["lr_scheduler_steps"] == reference["global_step"] == 2 * 7
     assert r["samples_seen"] == reference["samples_seen"] == 2 * 7 * 32

@@ -1,33 +1,91 @@
-"""train_mnist.py launched for real through `accelerate launch`, on CPU processes."""
+"""train_mnist.py launched for real through `accelerate launch`, on CPU processes.
+
+The runs on 2 processes share one launch, and those on 1 another: each run a job of tests/sample_recorder.py --jobs,
+forked from processes that imported the libraries once."""
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MNIST_10K, launch, requires_mnist_10k, results, run_alone, tensorboard_scalars
+from helpers import (
+    MNIST_10K,
+    REPO,
+    TRAIN_MNIST,
+    launch,
+    launcher_args,
+    requires_mnist_10k,
+    results,
+    run,
+    tensorboard_scalars,
+)
 from safetensors.torch import load_file
+from sample_recorder import jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.models import ConvNet
 
-# ---------------------------------------------------------------- real digits (mnist-10k)
+RECORDER = REPO / "tests" / "sample_recorder.py"
+
+
+def launch_jobs(jobs: dict, num_processes: int, folder) -> None:
+    """One launch of tests/sample_recorder.py --jobs: each job {NAME: ARGS of train_mnist.py} in turn, its output in
+    FOLDER/NAME.log.rank{R}.out. Unchecked here: each test reads its job (finished)."""
+    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
+        {"argv": [TRAIN_MNIST, "--cpu", *args], "sample_log": folder / f"{name}.log", "timeout": 600}
+        for name, args in jobs.items()])
+    run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs))
+
+
+def finished(folder, name: str, num_processes: int) -> None:
+    """Every process of job NAME exited 0."""
+    exits = [folder / f"{name}.log.rank{rank}.exit" for rank in range(num_processes)]
+    output = "".join((folder / f"{name}.log.rank{rank}.out").read_text()[-6000:] for rank in range(num_processes))
+    assert [path.read_text() if path.exists() else None for path in exits] == ["0"] * num_processes, output
 
 
 @pytest.fixture(scope="module")
-def trained_1proc(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train_1proc")
-    launch(["--data_dir", MNIST_10K, "--output_dir", out, "--with_tracking"], num_processes=1)
-    return out
+def on_2_processes(tmp_path_factory):
+    """One launch on 2 processes: the run on the real digits with a checkpoint at each epoch's end ("trained"), then its
+    resume from its epoch_0 ("resumed")."""
+    runs = tmp_path_factory.mktemp("on_2_processes")
+    trained = runs / "trained"
+    launch_jobs({
+        "trained": ["--data_dir", MNIST_10K, "--output_dir", trained, "--checkpointing_steps", "epoch"],
+        "resumed": ["--data_dir", MNIST_10K, "--output_dir", runs / "resumed", "--resume_from_checkpoint",
+                    trained / "epoch_0"],
+    }, 2, runs)
+    return runs
 
 
 @pytest.fixture(scope="module")
-def trained_2proc(tmp_path_factory):
-    out = tmp_path_factory.mktemp("train_2proc")
-    launch(["--data_dir", MNIST_10K, "--output_dir", out, "--checkpointing_steps", "epoch"], num_processes=2)
-    return out
+def on_1_process(tmp_path_factory, synthetic_mnist, request):
+    """One launch on 1 process: on the generated digits in bf16 ("bf16"), and where the real digits are here, their run
+    with --with_tracking ("trained") and --eval_only of the 2-process run's last checkpoint ("eval_only")."""
+    runs = tmp_path_factory.mktemp("on_1_process")
+    # --mixed_precision is the script's flag, which the Accelerator takes over the launch config's `no`
+    jobs = {"bf16": ["--data_dir", synthetic_mnist, "--output_dir", runs / "bf16", "--epochs", "2", "--batch_size",
+                     "32", "--mixed_precision", "bf16"]}
+    if (MNIST_10K / "train-images-idx3-ubyte.gz").is_file():
+        trained_2proc = request.getfixturevalue("on_2_processes") / "trained"
+        jobs["trained"] = ["--data_dir", MNIST_10K, "--output_dir", runs / "trained", "--with_tracking"]
+        jobs["eval_only"] = ["--data_dir", MNIST_10K, "--output_dir", runs / "eval_only", "--eval_only",
+                             "--resume_from_checkpoint", trained_2proc / "epoch_2"]
+    launch_jobs(jobs, 1, runs)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trained_1proc(on_1_process):
+    finished(on_1_process, "trained", 1)
+    return on_1_process / "trained"
+
+
+@pytest.fixture(scope="module")
+def trained_2proc(on_2_processes):
+    finished(on_2_processes, "trained", 2)
+    return on_2_processes / "trained"
 
 
 @requires_mnist_10k
@@ -88,18 +146,15 @@ def test_saved_model_evaluated_on_its_own_matches_the_reported_evaluation(traine
 
 
 @requires_mnist_10k
-def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, tmp_path):
-    """The 2-process evaluation is the training run's own, of the same weights as its last checkpoint."""
+def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, on_1_process, tmp_path):
+    """The 2-process evaluation is the training run's own, of the same weights as its last checkpoint; the 1-process
+    one a job of the 1-process launch."""
     trained = results(trained_2proc)
     evaluations = {2: (trained["eval_accuracy"], trained["eval_loss"])}
-    for n in (1, 3):
-        out = tmp_path / f"eval_{n}"
-        args = ["--data_dir", MNIST_10K, "--output_dir", out, "--eval_only", "--resume_from_checkpoint",
-                trained_2proc / "epoch_2"]
-        if n == 1:  # the script alone, as accelerate's one-process launcher runs it (launched: trained_1proc)
-            run_alone(args)
-        else:
-            launch(args, num_processes=n)
+    finished(on_1_process, "eval_only", 1)
+    launch(["--data_dir", MNIST_10K, "--output_dir", tmp_path / "eval_3", "--eval_only", "--resume_from_checkpoint",
+            trained_2proc / "epoch_2"], num_processes=3)
+    for n, out in ((1, on_1_process / "eval_only"), (3, tmp_path / "eval_3")):
         r = json.loads((out / "eval_results.json").read_text())  # --eval_only's own file
         assert r["num_processes"] == n
         assert r["eval_samples"] == 2000
@@ -110,11 +165,9 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, 
 
 
 @requires_mnist_10k
-def test_resume_from_first_epoch_checkpoint_is_bit_exact(trained_2proc, tmp_path):
-    out = tmp_path / "resumed"
-    out.mkdir()
-    shutil.copytree(trained_2proc / "epoch_0", out / "epoch_0")
-    launch(["--data_dir", MNIST_10K, "--output_dir", out, "--resume_from_checkpoint", "latest"], num_processes=2)
+def test_resume_from_first_epoch_checkpoint_is_bit_exact(on_2_processes, trained_2proc):
+    out = on_2_processes / "resumed"
+    finished(on_2_processes, "resumed", 2)
     resumed, uninterrupted = results(out), results(trained_2proc)
     assert resumed["resumed_from"].endswith("epoch_0")
     assert (out / "model.safetensors").read_bytes() == (trained_2proc / "model.safetensors").read_bytes()
@@ -125,11 +178,9 @@ def test_resume_from_first_epoch_checkpoint_is_bit_exact(trained_2proc, tmp_path
 # ---------------------------------------------------------------- generated digits (always run)
 
 
-def test_bf16_on_cpu_learns_the_synthetic_digits(synthetic_mnist, tmp_path):
-    # the script alone: --mixed_precision is the script's flag, which the Accelerator takes over the launch config's
-    run_alone(["--data_dir", synthetic_mnist, "--output_dir", tmp_path, "--epochs", "2", "--batch_size", "32",
-               "--mixed_precision", "bf16"])
-    r = results(tmp_path)
+def test_bf16_on_cpu_learns_the_synthetic_digits(on_1_process):
+    finished(on_1_process, "bf16", 1)
+    r = results(on_1_process / "bf16")
     assert r["mixed_precision"] == "bf16"
     assert r["eval_accuracy"] >= 0.9  # chance is 0.1
     assert math.isfinite(r["train_loss"])

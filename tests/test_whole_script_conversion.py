@@ -10,7 +10,11 @@ Accelerate, and a page that shows their diff hunk by hunk and stays equal to it:
 
 Horovod and apex cannot be installed here: their "before" runs on the stand-ins in tests/standins (their calls
 over torch.distributed). On one process each pair trains the same model; on two the after ends with the
-before's weights and reports the exact metric over every test image once; each resumes exactly where it stopped."""
+before's weights and reports the exact metric over every test image once; each resumes exactly where it stopped.
+
+Every run of the three pairs is a job of one of two launches of tests/sample_recorder.py --jobs (conversion_runs):
+each launched process imports torch and Accelerate once and forks a child per run, which runs the script as
+`python SCRIPT ARGS` would (tests/baseline_job.py starts a before as its launcher would)."""
 
 import importlib.util
 import json
@@ -22,8 +26,9 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, free_port, launch, launcher_args, requires_mnist_10k, run, run_alone
+from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k, run
 from safetensors.torch import load_file
+from sample_recorder import jobs_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -38,7 +43,6 @@ APEX_AFTER = REPO / "scripts" / "converted_apex_amp_style.py"
 APEX_PAGE = REPO / "docs" / "converting_an_apex_amp_script.md"
 CONVERSIONS = [(BEFORE, AFTER, PAGE), (HOROVOD_BEFORE, HOROVOD_AFTER, HOROVOD_PAGE),
                (APEX_BEFORE, APEX_AFTER, APEX_PAGE)]
-STANDINS = {"PYTHONPATH": str(REPO / "tests" / "standins"), **{"OMP_NUM_THREADS": "1"}}
 # 512 training images = 8 global batches of 64 (no padded last batch); 101 test images: an odd tail on 2 processes.
 # -b is per node, so 1 and 2 processes train on the same global batches.
 TRAIN = [MNIST_10K, "--train-samples", "512", "--val-samples", "101", "-b", "64", "-j", "0", "-p", "1"]
@@ -50,20 +54,54 @@ EVALUATION = re.compile(r"^ \* Acc@1 (\S+) Loss (\S+) \((\d+) images\)$", flags=
 LEARNING_RATE = re.compile(r"^Epoch: \[\d+\] lr (\S+)$", flags=re.M)
 
 
-def run_before(num_processes, out, *args):
+RECORDER = REPO / "tests" / "sample_recorder.py"
+# launched through it: what the recorder preloads out of the forked runs' garbage collections (1 s of CPU each)
+FROZEN_PRELOAD = REPO / "tests" / "frozen_preload.py"
+BASELINE_JOB = REPO / "tests" / "baseline_job.py"
+
+
+def before_args(num_processes, out, *args) -> list:
     """The baseline under its own mp.spawn, one node of `num_processes` CPU processes (gloo)."""
-    return run([sys.executable, BEFORE, *TRAIN, "--checkpoint-dir", out, "--cpu", "--multiprocessing-distributed",
-                "--cpu-processes", num_processes, "--world-size", "1", "--rank", "0",
-                "--dist-url", f"tcp://127.0.0.1:{free_port()}", *args], env=ONE_THREAD).stdout
+    return [BEFORE, *TRAIN, "--checkpoint-dir", out, "--cpu", "--multiprocessing-distributed",
+            "--cpu-processes", num_processes, "--world-size", "1", "--rank", "0",
+            "--dist-url", f"tcp://127.0.0.1:{free_port()}", *args]
 
 
-def run_after(num_processes, out, *args):
-    """One process: plain python, as a user may run it (an Accelerator needs no launcher), half the start-up cost of
-    accelerate launch, which the two-process run goes through."""
-    script_args = [*TRAIN, "--checkpoint-dir", out, *args]
-    if num_processes == 1:
-        return run_alone(script_args, script=AFTER, env=ONE_THREAD).stdout
-    return launch(script_args, num_processes=num_processes, script=AFTER, env=ONE_THREAD).stdout
+def after_args(out, *args) -> list:
+    """The converted script: one process as a user may run it (python: an Accelerator needs no launcher), two under
+    accelerate launch."""
+    return [AFTER, "--cpu", *TRAIN, "--checkpoint-dir", out, *args]
+
+
+def launch_jobs(jobs: dict, num_processes: int, folder) -> dict:
+    """One launch of tests/sample_recorder.py --jobs in `folder` (its working directory): each job {name: SCRIPT ARGS}
+    in turn, in a child forked from each launched process, its output in folder/NAME.rank{R}.out. One process: plain
+    python; two: accelerate launch. Returns {name: (folder, num_processes, the launch)} for printed_by()."""
+    folder.mkdir()
+    manifest = jobs_file(folder / "jobs.json", [{"argv": argv, "sample_log": folder / name, "timeout": 600}
+                                                for name, argv in jobs.items()])
+    launcher = launcher_args(num_processes) if num_processes > 1 else [sys.executable]
+    # each run was a process of its own, with helpers.run's limit of 600 s
+    launch = run([*launcher, FROZEN_PRELOAD, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+                 env=ONE_THREAD, cwd=folder)
+    return {name: (folder, num_processes, launch) for name in jobs}
+
+
+def printed_by(conversion_runs, name) -> str:
+    """What every process of job NAME printed (stdout and stderr), rank after rank; every one of them exited 0."""
+    folder, num_processes, launch = conversion_runs[name]
+    outputs = [folder / f"{name}.rank{rank}.out" for rank in range(num_processes)]
+    exits = [folder / f"{name}.rank{rank}.exit" for rank in range(num_processes)]
+    texts = [path.read_text() if path.exists() else "" for path in outputs]
+    assert [path.read_text() if path.exists() else None for path in exits] == ["0"] * num_processes, \
+        f"{name}:\n" + "\n".join(text[-6000:] for text in texts) + f"\nthe launch: {launch.stderr[-3000:]}"
+    return "".join(texts)
+
+
+def printed_by_rank(conversion_runs, name, rank) -> str:
+    printed_by(conversion_runs, name)  # every process exited 0
+    folder, _, _ = conversion_runs[name]
+    return (folder / f"{name}.rank{rank}.out").read_text()
 
 
 def printed(stdout) -> dict:
@@ -97,20 +135,59 @@ def assert_equal_state(a, b):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Two epochs of each script on 1 process and on 2, and on 1 process each again as 1 epoch + a resume
-    for the second: 8 runs, printed output and checkpoint folder of each."""
+def conversion_runs(tmp_path_factory):
+    """Every run of the three pairs, as jobs of two launches (launch_jobs): the one-process runs, and the DDP
+    before's two-process one (mp.spawn starts its processes), as jobs of one python process; the other two-process
+    runs as jobs of one accelerate launch of 2 processes. A run that resumes follows the one it resumes."""
     out = tmp_path_factory.mktemp("conversion")
+    apex_one_batch = [*APEX_ARGS, "-b", "512", "--epochs", "2", "-p", "1"]
+    # apex's scripts write into their working directory (the launch's): checkpoint.pth.tar and model_best.pth.tar
+    # the before, checkpoint/ and model_best/ the after
+    one_process = launch_jobs({
+        "before_1": before_args(1, out / "before_1", "--epochs", "2"),
+        "after_1": after_args(out / "after_1", "--epochs", "2"),
+        "before_2": before_args(2, out / "before_2", "--epochs", "2"),
+        "before_resumed_first": before_args(1, out / "before_resumed", "--epochs", "1"),
+        "before_resumed": before_args(1, out / "before_resumed", "--epochs", "2", "--resume",
+                                      out / "before_resumed" / "checkpoint.pth.tar"),
+        "after_resumed_first": after_args(out / "after_resumed", "--epochs", "1"),
+        "after_resumed": after_args(out / "after_resumed", "--epochs", "2", "--resume",
+                                    out / "after_resumed" / "checkpoint"),
+        "horovod_before_1": [BASELINE_JOB, "--standins", HOROVOD_BEFORE, *HOROVOD_ARGS, "--save-model",
+                             out / "horovod_before_1.pt"],
+        "horovod_after_1": [HOROVOD_AFTER, *HOROVOD_ARGS, "--save-model", out / "horovod_after_1.pt"],
+        "apex_before_1": [BASELINE_JOB, "--standins", APEX_BEFORE, *apex_one_batch],
+        "apex_after_1": [APEX_AFTER, *apex_one_batch],
+    }, 1, out / "one_process")
+    two_processes = launch_jobs({
+        "after_2": after_args(out / "after_2", "--epochs", "2"),
+        # the befores get torchrun's environment (accelerate launch --multi_gpu runs torch.distributed.run's run());
+        # --no-cuda: the Horovod pair's spelling of --cpu (in HOROVOD_ARGS)
+        "horovod_before_2": [BASELINE_JOB, "--standins", HOROVOD_BEFORE, *HOROVOD_ARGS, "--save-model",
+                             out / "horovod_before_2.pt"],
+        "horovod_after_2": [HOROVOD_AFTER, *HOROVOD_ARGS, "--save-model", out / "horovod_after_2.pt"],
+        # torch.distributed.launch's --local-rank=N: apex's --deterministic seeds each process with it
+        "apex_before_2": [BASELINE_JOB, "--standins", "--local-rank", APEX_BEFORE, *APEX_ARGS, "-b", "32",
+                          "--epochs", "2"],
+        "apex_after_2_first": [APEX_AFTER, "--cpu", *APEX_ARGS, "-b", "32", "--epochs", "1"],
+        "apex_after_2": [APEX_AFTER, "--cpu", *APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"],
+    }, 2, out / "two_processes")
+    return out, {**one_process, **two_processes}
+
+
+@pytest.fixture(scope="module")
+def runs(conversion_runs):
+    """The DDP pair: two epochs of each script on 1 process and on 2, and on 1 process each again as 1 epoch + a
+    resume for the second: 8 runs, printed output and checkpoint folder of each."""
+    out, jobs = conversion_runs
     results = {}
-    for name, train, processes in (("before", run_before, 1), ("after", run_after, 1),
-                                   ("before", run_before, 2), ("after", run_after, 2)):
-        folder = out / f"{name}_{processes}"
-        results[name, processes] = folder, printed(train(processes, folder, "--epochs", "2"))
-    for name, train, resume in (("before", run_before, "checkpoint.pth.tar"), ("after", run_after, "checkpoint")):
-        folder = out / f"{name}_resumed"
-        first_epoch = printed(train(1, folder, "--epochs", "1"))
-        second_epoch = printed(train(1, folder, "--epochs", "2", "--resume", folder / resume))
-        results[name, "resumed"] = folder, {key: first_epoch[key] + second_epoch[key] for key in first_epoch}
+    for name, processes in (("before", 1), ("after", 1), ("before", 2), ("after", 2)):
+        results[name, processes] = out / f"{name}_{processes}", printed(printed_by(jobs, f"{name}_{processes}"))
+    for name in ("before", "after"):
+        first_epoch = printed(printed_by(jobs, f"{name}_resumed_first"))
+        second_epoch = printed(printed_by(jobs, f"{name}_resumed"))
+        results[name, "resumed"] = out / f"{name}_resumed", {key: first_epoch[key] + second_epoch[key]
+                                                             for key in first_epoch}
     return results
 
 
@@ -230,24 +307,13 @@ HOROVOD_TEST = re.compile(r"^Test set: Average loss: (\S+), Accuracy: (\S+)% \((
 
 
 @pytest.fixture(scope="module")
-def horovod_runs(tmp_path_factory):
-    """Each script on 1 process and on 2 (the before under torchrun on the Horovod stand-in): printed output and
-    saved weights of each."""
-    out = tmp_path_factory.mktemp("horovod")
-    results = {}
-    for processes in (1, 2):
-        weights = out / f"before_{processes}.pt"
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", processes]
-        before = run([*(torchrun if processes > 1 else [sys.executable]), HOROVOD_BEFORE, *HOROVOD_ARGS,
-                      "--save-model", weights], env=STANDINS).stdout
-        results["before", processes] = before, torch.load(weights, weights_only=True)
-        weights = out / f"after_{processes}.pt"
-        # one process: plain python, as a user may run it (an Accelerator needs no launcher), and half the start-up
-        # cost; launch() would add --cpu, which this script spells --no-cuda (in HOROVOD_ARGS)
-        launcher = launcher_args(processes) if processes > 1 else [sys.executable]
-        after = run([*launcher, HOROVOD_AFTER, *HOROVOD_ARGS, "--save-model", weights], env=ONE_THREAD).stdout
-        results["after", processes] = after, torch.load(weights, weights_only=True)
-    return results
+def horovod_runs(conversion_runs):
+    """Each script on 1 process and on 2 (the before on the Horovod stand-in): printed output and saved weights of
+    each."""
+    out, jobs = conversion_runs
+    return {(name, processes): (printed_by(jobs, f"horovod_{name}_{processes}"),
+                                torch.load(out / f"horovod_{name}_{processes}.pt", weights_only=True))
+            for name in ("before", "after") for processes in (1, 2)}
 
 
 @requires_mnist_10k
@@ -289,39 +355,26 @@ APEX_EVALUATION = re.compile(r"^ \* Prec@1 (\S+) Prec@5 (\S+) Loss (\S+) \((\d+)
 
 
 @pytest.fixture(scope="module")
-def apex_runs(tmp_path_factory):
+def apex_runs(conversion_runs):
     """One process, 2 epochs of one batch of 512 (see the test); two processes, -b 32 (8 steps per epoch): the before
-    for 2 epochs under torch.distributed.launch on the apex stand-in, the after for 1 epoch and then --resume for the
-    second. Printed output and working folder of each."""
-    out = tmp_path_factory.mktemp("apex")
-    results = {}
-    for name in ("before_1", "after_1", "before_2", "after_2"):
-        (out / name).mkdir()
-    one_batch = [*APEX_ARGS, "-b", "512", "--epochs", "2", "-p", "1"]
-    results["before", 1] = run([sys.executable, APEX_BEFORE, *one_batch], env=STANDINS, cwd=out / "before_1").stdout
-    # one process: plain python (an Accelerator needs no launcher), half the start-up cost of accelerate launch
-    results["after", 1] = run([sys.executable, APEX_AFTER, *one_batch], env=ONE_THREAD, cwd=out / "after_1").stdout
-    # Every rank of the before prints its evaluation line, as apex's does; the launcher sets PYTHONUNBUFFERED, so
-    # print's text and its newline are two writes and two ranks' lines can merge on a shared stdout: one file each.
-    launcher = [sys.executable, "-m", "torch.distributed.launch", "--standalone", "--nproc_per_node", "2",
-                "--log-dir", out / "before_2_logs", "--redirects", "1"]
-    run([*launcher, APEX_BEFORE, *APEX_ARGS, "-b", "32", "--epochs", "2"], env=STANDINS, cwd=out / "before_2")
+    for 2 epochs on the apex stand-in, the after for 1 epoch and then --resume for the second. The working folder
+    of each run and its printed output (each process's of the two-process before: every rank prints its own
+    evaluation line, as apex's does)."""
+    out, jobs = conversion_runs
+    folders = {"before_1": out / "one_process", "after_1": out / "one_process",
+               "before_2": out / "two_processes", "after_2": out / "two_processes"}
+    results = {("before", 1): printed_by(jobs, "apex_before_1"), ("after", 1): printed_by(jobs, "apex_after_1"),
+               ("after", 2): printed_by(jobs, "apex_after_2_first") + printed_by(jobs, "apex_after_2")}
     for rank in (0, 1):
-        (rank_stdout,) = (out / "before_2_logs").glob(f"*/attempt_0/{rank}/stdout.log")
-        results["before", 2, rank] = rank_stdout.read_text()
-    first = launch([*APEX_ARGS, "-b", "32", "--epochs", "1"], num_processes=2, script=APEX_AFTER, env=ONE_THREAD,
-                   cwd=out / "after_2").stdout
-    second = launch([*APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"], num_processes=2,
-                    script=APEX_AFTER, env=ONE_THREAD, cwd=out / "after_2").stdout
-    results["after", 2] = first + second
-    return out, results
+        results["before", 2, rank] = printed_by_rank(jobs, "apex_before_2", rank)
+    return folders, results
 
 
 @requires_mnist_10k
 def test_apex_one_process_trains_the_same_model(apex_runs):
     """One process: the before shuffles with the global RNG (DataLoader(shuffle=True), no sampler), which no
     Accelerate sampler reproduces; with one batch per epoch the order inside it only changes the summation order."""
-    out, results = apex_runs
+    folders, results = apex_runs
     before, after = results["before", 1], results["after", 1]
     assert [step[:3] for step in APEX_STEP.findall(before)] == [("0", "1", "1"), ("1", "1", "1")]
     for (*_, loss_b), (*_, loss_a) in zip(APEX_STEP.findall(before), APEX_STEP.findall(after), strict=True):
@@ -330,8 +383,8 @@ def test_apex_one_process_trains_the_same_model(apex_runs):
                                                                         APEX_EVALUATION.findall(after), strict=True):
         assert acc_b == acc_a and count_b == count_a == "101"
         assert float(loss_b) == pytest.approx(float(loss_a), abs=1e-5)
-    before_weights = torch.load(out / "before_1" / "checkpoint.pth.tar", weights_only=True)["state_dict"]
-    after_weights = load_file(out / "after_1" / "checkpoint" / "model.safetensors")
+    before_weights = torch.load(folders["before_1"] / "checkpoint.pth.tar", weights_only=True)["state_dict"]
+    after_weights = load_file(folders["after_1"] / "checkpoint" / "model.safetensors")
     for name in after_weights:
         torch.testing.assert_close(after_weights[name], before_weights[name], rtol=0, atol=1e-6)
 
@@ -341,19 +394,19 @@ def test_apex_two_processes_resumed_end_as_the_uninterrupted_before_with_the_exa
     """The after's 2 epochs, the second after --resume, print the before's per-step losses (reduce_tensor) and end
     with its weights; its evaluation is the exact one over 101 images, where the before averages per-batch
     precisions over padded shards of 51 and prints its own 51."""
-    out, results = apex_runs
+    folders, results = apex_runs
     before, after = results["before", 2, 0], results["after", 2]
     assert "=> loaded checkpoint 'checkpoint' (epoch 1)" in after
     steps_before, steps_after = APEX_STEP.findall(before), APEX_STEP.findall(after)
     assert len(steps_before) == 8 and [s[:3] for s in steps_before] == [s[:3] for s in steps_after]
     for (*_, loss_b), (*_, loss_a) in zip(steps_before, steps_after):
         assert float(loss_b) == pytest.approx(float(loss_a), abs=1e-6)  # measured: 2.4e-7 apart
-    before_checkpoint = torch.load(out / "before_2" / "checkpoint.pth.tar", weights_only=True)
-    after_weights = load_file(out / "after_2" / "checkpoint" / "model.safetensors")
+    before_checkpoint = torch.load(folders["before_2"] / "checkpoint.pth.tar", weights_only=True)
+    after_weights = load_file(folders["after_2"] / "checkpoint" / "model.safetensors")
     for name in after_weights:
         torch.testing.assert_close(after_weights[name], before_checkpoint["state_dict"]["module." + name], rtol=0,
                                    atol=1e-6)
-    progress = json.loads((out / "after_2" / "checkpoint" / "progress.json").read_text())
+    progress = json.loads((folders["after_2"] / "checkpoint" / "progress.json").read_text())
     assert progress["epoch"] == before_checkpoint["epoch"] == 2
     accuracy, _, loss, count = APEX_EVALUATION.findall(after)[-1]
     exact_accuracy, exact_loss, exact_count = exact_evaluation(APEX_AFTER, after_weights, 101)
