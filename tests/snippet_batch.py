@@ -14,6 +14,7 @@ writes the child's exit status beside them: exit_status_RANK, a negative number 
 ran past the manifest's limit.
 """
 
+import gc
 import importlib
 import json
 import os
@@ -65,6 +66,7 @@ def main() -> int:
     rank = os.environ.get("RANK", "0")
     for module in PRELOADED:
         importlib.import_module(module)
+    gc.freeze()  # as tests/sample_recorder.py: no child walks the preloaded objects in its collections (1 s each)
     assert "torch.distributed.nn" not in sys.modules, "preloaded: a snippet would not start as a fresh process does"
     for entry in entries:
         sys.stdout.flush()

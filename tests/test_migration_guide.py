@@ -121,9 +121,7 @@ with open(f"compared_{_os.environ.get('RANK', '0')}.json", "w") as _file:
 """
 # The snippets of one launcher run in one launch of tests/snippet_batch.py, each in a process of its own forked from
 # the launched one (a launch per snippet cost 8-20 s of imports each); torchrun's batch runs the Horovod one too.
-# Launched through tests/frozen_preload.py: its preloaded modules out of the children's garbage collections (1 s each).
 BATCH = REPO / "tests" / "snippet_batch.py"
-FROZEN_PRELOAD = REPO / "tests" / "frozen_preload.py"
 BATCHED_WITH = {"runnable: horovod stand-in, torchrun 2": "runnable: torchrun 2"}
 # accelerate launch --num_processes 2 --cpu without --multi_gpu: its simple launcher starts one process
 ONE_OF_TWO = "accelerate launch --num_processes 2 --cpu, no --multi_gpu"
@@ -203,7 +201,7 @@ def run_batch(launcher: str, folder) -> None:
         entries.append(batch_entry(folder / name, launcher, code, first_port + index, case.own_group))
     manifest = folder / "manifest.json"
     manifest.write_text(json.dumps(entries))
-    run([*BATCH_RUNNERS[launcher](FROZEN_PRELOAD), BATCH, manifest], cwd=folder,
+    run([*BATCH_RUNNERS[launcher](BATCH), manifest], cwd=folder,
         timeout=SNIPPET_TIMEOUT * len(entries), env={"OMP_NUM_THREADS": "1"})
     for (_, code), entry in zip(snippets, entries):
         OUTCOMES[code] = outcome_in(Path(entry["folder"]), PROCESSES[launcher])

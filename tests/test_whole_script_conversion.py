@@ -55,8 +55,6 @@ LEARNING_RATE = re.compile(r"^Epoch: \[\d+\] lr (\S+)$", flags=re.M)
 
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
-# launched through it: what the recorder preloads out of the forked runs' garbage collections (1 s of CPU each)
-FROZEN_PRELOAD = REPO / "tests" / "frozen_preload.py"
 BASELINE_JOB = REPO / "tests" / "baseline_job.py"
 
 
@@ -82,7 +80,7 @@ def launch_jobs(jobs: dict, num_processes: int, folder) -> dict:
                                                 for name, argv in jobs.items()])
     launcher = launcher_args(num_processes) if num_processes > 1 else [sys.executable]
     # each run was a process of its own, with helpers.run's limit of 600 s
-    launch = run([*launcher, FROZEN_PRELOAD, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+    launch = run([*launcher, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
                  env=ONE_THREAD, cwd=folder)
     return {name: (folder, num_processes, launch) for name in jobs}
 
