@@ -105,6 +105,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/builtin
+# Schedule a submitted batch job at once: by default slurmctld gathers submissions for up to 3 s first
+# (batch_sched_delay, for clusters that take many jobs a second), which each job of the tests waited.
+SchedulerParameters=batch_sched_delay=0
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2
@@ -147,7 +150,7 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
             states = set(self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.splitlines())
             if states == {f"{node} idle" for node in NODES}:
                 return
-            time.sleep(0.3)
+            time.sleep(0.1)
         raise RuntimeError(f"nodes not idle after 30 s (sinfo: {' '.join(states)})\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 15) -> str:
@@ -161,7 +164,7 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
         self.run("scancel", "--user", "root", check=False)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
-            time.sleep(0.3)
+            time.sleep(0.1)
         # slurmd first, munged last: the others need it to authenticate until the end
         for pid_file in reversed(self.pid_files()):
             try:

@@ -201,20 +201,29 @@ def preempt_mid_epoch(cluster, jobs: dict, preempt=usr1_to_batch_scripts, ready=
     return cpus
 
 
-def start_when_requeued(cluster, job_id, restarts: int, timeout=180) -> None:
-    """Lift the 2 minutes Slurm holds a job requeued for the `restarts`th time (once the run before has ended on its
-    nodes)."""
+def start_when_requeued(cluster, job_ids, restarts: int, timeout=180) -> None:
+    """Lift the 2 minutes Slurm holds each job requeued for the `restarts`th time, once the run before has ended on
+    its nodes. All jobs in one loop: each is lifted as soon as it is requeued, not after the others."""
     deadline = time.monotonic() + timeout
-    while ((fields := cluster.job_fields(job_id)).get("Restarts") != str(restarts)
-           or fields.get("JobState") != "PENDING"):
-        if fields.get("JobState") in ENDED:  # ended without a requeue: the tests below say so
-            return
-        assert time.monotonic() < deadline, f"job {job_id} was not requeued\n{cluster.log_tail()}"
-        time.sleep(0.1)
-    # Not in the second the run ended: the node revoked that run's credential with a time in whole
-    # seconds and refuses a credential made in the same second ("Job credential revoked": the job fails).
-    time.sleep(2 - time.time() % 1)
-    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    waiting = set(job_ids)
+    while waiting:
+        requeued = []
+        for job_id in sorted(waiting):
+            fields = cluster.job_fields(job_id)
+            if fields.get("JobState") in ENDED:  # ended without a requeue: the tests below say so
+                waiting.discard(job_id)
+            elif fields.get("Restarts") == str(restarts) and fields.get("JobState") == "PENDING":
+                requeued.append(job_id)
+        if requeued:
+            # Not in the second the run ended: the node revoked that run's credential with a time in whole
+            # seconds and refuses a credential made in the same second ("Job credential revoked": the job fails).
+            time.sleep(2 - time.time() % 1)
+            for job_id in requeued:
+                cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+            waiting.difference_update(requeued)
+        elif waiting:
+            assert time.monotonic() < deadline, f"jobs {sorted(waiting)} were not requeued\n{cluster.log_tail()}"
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -235,12 +244,10 @@ def jobs(cluster, data, tmp_path_factory):
     }
     jobs = {name: (job_id, root / name) for name, job_id in job_ids.items()}
     preempt_mid_epoch(cluster, jobs, ready={"two_nodes": KillRankOnNode2(lambda: job_log(root, job_ids["two_nodes"]))})
-    for job_id in job_ids.values():
-        start_when_requeued(cluster, job_id, restarts=1)
+    start_when_requeued(cluster, job_ids.values(), restarts=1)
     cpus = preempt_mid_epoch(cluster, jobs, preempt=preempt_by_urgent_job,
                              ready=dict.fromkeys(job_ids, end_of_second_epoch))
-    for job_id in job_ids.values():
-        start_when_requeued(cluster, job_id, restarts=2)
+    start_when_requeued(cluster, job_ids.values(), restarts=2)
     return {name: (root / name, job_id, cpus[name], finish(cluster, job_id, root)) for name, job_id in job_ids.items()}
 
 
