@@ -403,7 +403,7 @@ def main(args):
         train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)
         model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
         metric = load_metric("topk_accuracy")
-    keep_batchnorm_in_fp32(accelerator, model)  # [accelerate] FSDP + bf16/fp16: as FSDP1 did (utils/run/fsdp.py)
+    keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
     # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.

@@ -195,7 +195,7 @@ def main(args):
     train_dataset = to_tensor_dataset(*splits["train"], max_samples=args.max_train_samples)
     eval_dataset = to_tensor_dataset(*splits["test"], max_samples=args.max_eval_samples)
     model = ConvNet()
-    keep_batchnorm_in_fp32(accelerator, model)  # [accelerate] FSDP + bf16/fp16: as FSDP1 did (utils/run/fsdp.py)
+    keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
     model_input = None  # the batches are the model's input as they are (train_image_classifier normalises them)
 

@@ -8,8 +8,8 @@ switches to `DistributedType.FSDP` and keeps the FSDP plugin only for GPU-like p
 changes that. `shard_on_cpu` makes, once the Accelerator is built, what that branch would have done (the
 distributed type, the plugin, its mixed precision policy). Everything after it is Accelerate's own FSDP2 code,
 unchanged: `prepare` calls `fully_shard`, `save_state`/`load_state` write and read DCP shards, `get_state_dict`
-and `save_model` gather the whole weights. Hand-written because Accelerate has no switch for it; it fails with one line, never silently,
-when the Accelerate it was written against changes.
+and `save_model` gather the whole weights. Hand-written because Accelerate has no switch for it; it fails with one
+line, never silently, when the Accelerate it was written against changes.
 """
 
 from utils.errors import UserError
