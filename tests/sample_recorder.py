@@ -187,6 +187,16 @@ def jobs_file(path, jobs) -> Path:
     return Path(path)
 
 
+def job_outcome(sample_log, num_processes: int) -> tuple:
+    """What a finished run wrote beside SAMPLE_LOG, per rank: (exit statuses, None where a process wrote none: killed
+    at its timeout; outputs, each process's stdout and stderr, "" where it wrote none), rank 0 first."""
+    log = Path(sample_log)
+    exits = [log.with_name(f"{log.name}.rank{rank}.exit") for rank in range(num_processes)]
+    outputs = [log.with_name(f"{log.name}.rank{rank}.out") for rank in range(num_processes)]
+    return ([int(path.read_text()) if path.exists() else None for path in exits],
+            [path.read_text() if path.exists() else "" for path in outputs])
+
+
 def run_jobs(path) -> int:
     """--jobs PATH: each job in a child forked from this process (see the docstring above)."""
     from snippet_batch import wait_for  # beside this file; not at the top: tests.sample_recorder:tiny_cnn imports this

@@ -36,7 +36,7 @@ from helpers import (
     skip_or_fail_in_ci,
 )
 from image_data import make_split_image_folder
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 from torch.utils.data import DataLoader, TensorDataset
 
 from utils.data.mnist import load_mnist_idx
@@ -70,10 +70,9 @@ def job(folder, name, num_processes: int, must_pass=True) -> subprocess.Complete
     """Job NAME of launch_jobs(..., folder) as a finished process: its exit status (0 where every process exited 0,
     else the first other: a refusal's; -9 for a process killed at its timeout) and its output (each process's
     stdout and stderr, rank 0's first). must_pass: fail, with that output, unless every process exited 0."""
-    outputs = [(folder / f"{name}.rank{rank}.out") for rank in range(num_processes)]
-    exits = [(folder / f"{name}.rank{rank}.exit") for rank in range(num_processes)]
-    statuses = [int(path.read_text()) if path.exists() else -9 for path in exits]
-    output = "".join(path.read_text() if path.exists() else "" for path in outputs)
+    statuses, outputs = job_outcome(folder / name, num_processes)
+    statuses = [-9 if status is None else status for status in statuses]
+    output = "".join(outputs)
     assert not must_pass or statuses == [0] * num_processes, f"job {name} exited {statuses}:\n{output[-8000:]}"
     return subprocess.CompletedProcess(name, next((s for s in statuses if s != 0), 0), output, "")
 

@@ -30,7 +30,7 @@ from helpers import (
     training_processes,
     wait_for_path,
 )
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 
 from utils.errors import UserError
 from utils.launch.launch_checks import check_enough_devices
@@ -83,8 +83,8 @@ def one_process_runs(data, tmp_path_factory):
 
 def ended(runs, name: str) -> tuple:
     """Job NAME's exit status and output (its stdout and stderr in one file)."""
-    status = (runs / f"{name}.log.rank0.exit").read_text() if (runs / f"{name}.log.rank0.exit").exists() else None
-    return status, (runs / f"{name}.log.rank0.out").read_text()
+    (status,), (output,) = job_outcome(runs / f"{name}.log", 1)
+    return None if status is None else str(status), output
 
 
 def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):

@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import REPO, exit_check_env, launcher_args, results, threads_left_message
 from image_data import make_split_image_folder
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
@@ -91,11 +91,10 @@ def global_order(per_rank, batch_size):
 def assert_ok(log, num_processes):
     """Every process of the run logging to `log` exited 0; else the end of each one's output, with the stacks that
     tests/sample_recorder.py prints for a stopped process."""
-    exits = [log.with_name(f"{log.name}.rank{rank}.exit") for rank in range(num_processes)]
-    if [path.read_text() if path.exists() else None for path in exits] != ["0"] * num_processes:
-        outputs = [log.with_name(f"{log.name}.rank{rank}.out") for rank in range(num_processes)]
-        raise AssertionError("\n".join(f"{path.name}: {path.read_text()[-6000:] if path.exists() else 'absent'}"
-                                        for path in outputs))
+    statuses, outputs = job_outcome(log, num_processes)
+    if statuses != [0] * num_processes:
+        raise AssertionError("\n".join(f"{log.name}.rank{rank}.out: {text[-6000:] or 'absent'}"
+                                        for rank, text in enumerate(outputs)))
 
 
 def training_state(checkpoint):
@@ -318,3 +317,12 @@ def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
     r = results(root / ("full" if processes == 2 else "resumed"))
     assert r["num_processes"] == processes and r["train_size"] == CLASSIFIER_N and r["samples_seen"] == 2 * N
     assert r["global_step"] == 2 * N // 24  # 2 epochs of 96 images, 24 per optimizer step
+
+
+def test_job_outcome_reads_every_rank_of_a_forked_job(tmp_path):
+    """sample_recorder.job_outcome, which every jobs launch's reader asserts on: each rank's own exit status and output
+    (a rank that wrote no exit status, killed at its timeout: None), rank 0 first."""
+    for rank, status in ((0, "0"), (1, "1")):
+        (tmp_path / f"job.log.rank{rank}.exit").write_text(status)
+        (tmp_path / f"job.log.rank{rank}.out").write_text(f"rank {rank}\n")
+    assert job_outcome(tmp_path / "job.log", 3) == ([0, 1, None], ["rank 0\n", "rank 1\n", ""])

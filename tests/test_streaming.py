@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from helpers import REPO, launcher_args, load_script, results, run
 from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -80,10 +80,9 @@ def output(folder, name) -> str:
 
 def ran(folder, name, num_processes: int) -> str:
     """Every process of job NAME exited 0; its rank 0's output."""
-    exits = [(folder / f"{name}.log.rank{rank}.exit") for rank in range(num_processes)]
-    outputs = "\n".join((folder / f"{name}.log.rank{rank}.out").read_text()[-6000:] for rank in range(num_processes))
-    assert [path.read_text() if path.exists() else None for path in exits] == ["0"] * num_processes, outputs
-    return output(folder, name)
+    statuses, outputs = job_outcome(folder / f"{name}.log", num_processes)
+    assert statuses == [0] * num_processes, "\n".join(text[-6000:] for text in outputs)
+    return outputs[0]
 
 
 def fetched(log, num_processes: int) -> dict:

@@ -21,7 +21,7 @@ from helpers import (
     tensorboard_scalars,
 )
 from safetensors.torch import load_file
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.models import ConvNet
@@ -40,9 +40,8 @@ def launch_jobs(jobs: dict, num_processes: int, folder) -> None:
 
 def finished(folder, name: str, num_processes: int) -> None:
     """Every process of job NAME exited 0."""
-    exits = [folder / f"{name}.log.rank{rank}.exit" for rank in range(num_processes)]
-    output = "".join((folder / f"{name}.log.rank{rank}.out").read_text()[-6000:] for rank in range(num_processes))
-    assert [path.read_text() if path.exists() else None for path in exits] == ["0"] * num_processes, output
+    statuses, outputs = job_outcome(folder / f"{name}.log", num_processes)
+    assert statuses == [0] * num_processes, "".join(text[-6000:] for text in outputs)
 
 
 @pytest.fixture(scope="module")

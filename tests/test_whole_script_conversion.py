@@ -28,7 +28,7 @@ from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
 from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k, run
 from safetensors.torch import load_file
-from sample_recorder import jobs_file
+from sample_recorder import job_outcome, jobs_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -87,19 +87,20 @@ def launch_jobs(jobs: dict, num_processes: int, folder) -> dict:
 
 def printed_by(conversion_runs, name) -> str:
     """What every process of job NAME printed (stdout and stderr), rank after rank; every one of them exited 0."""
+    return "".join(printed_by_each_rank(conversion_runs, name))
+
+
+def printed_by_each_rank(conversion_runs, name) -> list:
+    """What each process of job NAME printed; every one of them exited 0."""
     folder, num_processes, launch = conversion_runs[name]
-    outputs = [folder / f"{name}.rank{rank}.out" for rank in range(num_processes)]
-    exits = [folder / f"{name}.rank{rank}.exit" for rank in range(num_processes)]
-    texts = [path.read_text() if path.exists() else "" for path in outputs]
-    assert [path.read_text() if path.exists() else None for path in exits] == ["0"] * num_processes, \
+    statuses, texts = job_outcome(folder / name, num_processes)
+    assert statuses == [0] * num_processes, \
         f"{name}:\n" + "\n".join(text[-6000:] for text in texts) + f"\nthe launch: {launch.stderr[-3000:]}"
-    return "".join(texts)
+    return texts
 
 
 def printed_by_rank(conversion_runs, name, rank) -> str:
-    printed_by(conversion_runs, name)  # every process exited 0
-    folder, _, _ = conversion_runs[name]
-    return (folder / f"{name}.rank{rank}.out").read_text()
+    return printed_by_each_rank(conversion_runs, name)[rank]
 
 
 def printed(stdout) -> dict:
