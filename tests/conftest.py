@@ -6,7 +6,7 @@ import tempfile
 import pytest
 
 from doc_commands import help_cache
-from helpers import make_synthetic_mnist, skip_or_fail_in_ci
+from helpers import EXIT_CHECK, make_synthetic_mnist, skip_or_fail_in_ci
 
 # No network, and no user caches or `accelerate config` defaults leak into the tests. Set at
 # import time: `datasets` and `huggingface_hub` read these when they are first imported, which
@@ -16,6 +16,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ.pop("ACCELERATE_CONFIG_FILE", None)
+# Every Python process the tests start, however started (helpers.run, Popen, sbatch, a sweep's launches), skips the
+# interpreter's last garbage collections at its exit (tests/exit_check/sitecustomize.py, FREEZE_AT_EXIT): about 0.8 s
+# of CPU each. Its gloo-thread check writes only where helpers.run gives it a folder (EXIT_CHECK_DIR).
+os.environ["FREEZE_AT_EXIT"] = "1"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

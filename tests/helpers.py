@@ -58,7 +58,7 @@ def threads_left_message(threads_left: list) -> str:
 def exit_check_env(exit_check_dir, env=None) -> dict:
     """`env` (default: this process's) with tests/exit_check on PYTHONPATH, recording into `exit_check_dir`."""
     env = {**os.environ, **(env or {})}
-    return {**env, "EXIT_CHECK_DIR": str(exit_check_dir), "FREEZE_AT_EXIT": "1",
+    return {**env, "EXIT_CHECK_DIR": str(exit_check_dir),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(EXIT_CHECK), env.get("PYTHONPATH")]))}
 
 

@@ -36,7 +36,7 @@ def benchmark_in_this_process(argv, cwd=REPO) -> None:
     with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
         patch.chdir(cwd)
         patch.setattr(sys, "argv", [str(BENCHMARK), *argv])  # what benchmark.json records as the command typed
-        for name in ("PYTHONPATH", "EXIT_CHECK_DIR", "FREEZE_AT_EXIT"):
+        for name in ("PYTHONPATH", "EXIT_CHECK_DIR"):
             patch.setenv(name, exit_check_env(exit_check_dir)[name])
         benchmark.main(benchmark.parse_args(argv))
         threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]

@@ -1,9 +1,9 @@
-"""Loaded by every Python process that tests/helpers.run starts (it puts this folder on PYTHONPATH): at exit,
-a process whose gloo worker threads are still alive writes a file saying so into $EXIT_CHECK_DIR. Such a
-thread can abort the exit ("terminate called without an active exception"; docs/migration_guide.md, "Ending a
-run cleanly"), one run in seven at worst, so a script that ends without releasing its DDP model before
-end_training fails its test every time instead. Registered first, this handler runs after the script's own
-(atexit runs them last in, first out)."""
+"""Loaded by every Python process the tests start (tests/conftest.py puts this folder on PYTHONPATH): at exit, a
+process whose gloo worker threads are still alive writes a file saying so into $EXIT_CHECK_DIR (tests/helpers.run
+gives it one and reads it). Such a thread can abort the exit ("terminate called without an active exception";
+docs/migration_guide.md, "Ending a run cleanly"), one run in seven at worst, so a script that ends without releasing
+its DDP model before end_training fails its test every time instead. Registered after the freeze below and before the
+script's own handlers, this one runs after the script's (atexit runs them last in, first out)."""
 
 import atexit
 import os
@@ -21,11 +21,12 @@ def _record_gloo_threads_left():
             file.write(f"{names.count('pt_gloo_runloop')} gloo worker threads alive at the exit of {sys.argv}\n")
 
 
-# FREEZE_AT_EXIT=1 (tests/helpers.run sets it; tests/stress_snippets.py does not, so that its count of aborts at exit
-# sees the unchanged exit): after the check above, the interpreter's last garbage collections skip every object
-# already there, about 0.8 s of CPU per process that imported torch (most of a one-process run's exit). Objects that
-# only a collection frees (reference cycles) are then left to the exit, as the process's memory is; those freed by
-# their reference count still are, module by module. Registered before the check, it runs after it.
+# FREEZE_AT_EXIT=1 (tests/conftest.py sets it for every process the tests start; tests/stress_snippets.py does not, so
+# that its count of aborts at exit sees the unchanged exit): after the check above, the interpreter's last garbage
+# collections skip every object already there, about 0.8 s of CPU per process that imported torch (most of a
+# one-process run's exit). Objects that only a collection frees (reference cycles) are then left to the exit, as the
+# process's memory is; those freed by their reference count still are, module by module. Registered before the check,
+# it runs after it.
 if os.environ.get("FREEZE_AT_EXIT") == "1":
     import gc
 
