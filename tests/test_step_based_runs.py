@@ -2,7 +2,12 @@
 scripts: a run that ends after step N inside an epoch, with its schedule, final evaluation and report; evaluations and
 training-loss logs every N steps, to the trackers and the log, exact over all processes; best/ and early stopping by
 evaluation; a resume from a step checkpoint that ends as the uninterrupted run, and one after the end that trains
-nothing. The plan step by step, and the checkpoints saved before these fields existed."""
+nothing. The plan step by step, and the checkpoints saved before these fields existed.
+
+Processes: the 2-process runs are the jobs of one launch (`two_process_runs`: tests/sample_recorder.py --jobs through
+tests/test_predict.py's launch_jobs, each launched process importing torch and Accelerate once, then forking one child
+per job): the 7-step run, its resume from step 5 right after it, the same steps without step evaluations or logs, and
+the classifier's early stopping. The 1-process resume from step 7 runs alone (run_alone: no launcher around it)."""
 
 import ast
 import dataclasses
@@ -11,8 +16,9 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, launch, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
+from helpers import REPO, TRAIN_MNIST, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
 from image_data import make_split_image_folder
+from test_predict import job, launch_jobs
 from test_run_records import decide
 
 from utils.launch.flags import HIGHER_IS_BETTER
@@ -39,11 +45,36 @@ def digits(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def seven_steps(digits, tmp_path_factory):
-    """(output_dir, log) of train_mnist.py on 2 processes, 7 optimizer steps, evaluated every 3, logged every 2."""
-    out = tmp_path_factory.mktemp("seven_steps")
-    proc = launch(["--data_dir", digits, "--output_dir", out, *MNIST_RUN], num_processes=2)
-    return out, proc.stdout + proc.stderr
+def two_process_runs(digits, tmp_path_factory):
+    """The one 2-process launch, its jobs in this order: train_mnist.py for 7 optimizer steps, evaluated every 3,
+    logged every 2 (seven_steps/); its step_5 resumed in a new folder (resumed/; the checkpoint named, not copied
+    there for 'latest': it is saved only by the job before, inside the launch); the same 7 steps evaluated at the
+    epochs' ends only, without logs or checkpoints (plain/); the classifier's early stopping (early_stopping/).
+    Returns its folder; each test reads its job (test_predict.job: every process exited 0)."""
+    root = tmp_path_factory.mktemp("step_runs")
+    # the classifier evaluated after every step on 1 image (test_early_stopping_counts_evaluations_...)
+    images = make_split_image_folder(root / "images", train_per_class=8, val_per_class=2)
+    launch_jobs({
+        "seven_steps": [TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", root / "seven_steps", *MNIST_RUN],
+        "resumed": [TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", root / "resumed", *MNIST_RUN,
+                    "--resume_from_checkpoint", root / "seven_steps" / "step_5"],
+        "plain": [TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", root / "plain", "--max_train_samples",
+                  "64", "--max_eval_samples", "37", "--batch_size", "8", "--max_steps", "7", "--lr_scheduler_type",
+                  "linear", "--with_tracking"],
+        "early_stopping": [CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", root / "early_stopping",
+                           "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0",
+                           "--batch_size", "4", "--optimizer", "adamw", "--learning_rate", "0.01", "--max_steps", "12",
+                           "--eval_steps", "1", "--max_eval_samples", "1", "--metric_for_best", "eval_accuracy",
+                           "--early_stopping_patience", "2", "--logging_steps", "2", "--with_tracking"],
+    }, 2, root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def seven_steps(two_process_runs):
+    """(output_dir, log) of train_mnist.py on 2 processes, 7 optimizer steps, evaluated every 3, logged every 2; log:
+    what both processes printed."""
+    return two_process_runs / "seven_steps", job(two_process_runs, "seven_steps", 2).stdout
 
 
 # ---------------------------------------------------------------- the plan, and old checkpoints
@@ -114,13 +145,11 @@ def test_eval_steps_evaluates_every_n_steps_and_at_the_end_with_best_kept_by_ste
     assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "train_loss")] == [4, 7]
 
 
-def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(seven_steps, digits, tmp_path):
+def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(seven_steps, two_process_runs):
     """The same 7 steps evaluated at the epochs' ends only (4, and 7: the end of the run) and without logs or
-    checkpoints: the same weights, bit for bit (the model trains on in train mode after each evaluation)."""
-    out = tmp_path / "plain"
-    launch(["--data_dir", digits, "--output_dir", out, "--max_train_samples", "64", "--max_eval_samples", "37",
-            "--batch_size", "8", "--max_steps", "7", "--lr_scheduler_type", "linear", "--with_tracking"],
-           num_processes=2)
+    checkpoints (job plain): the same weights, bit for bit (the model trains on in train mode after each evaluation)."""
+    job(two_process_runs, "plain", 2)
+    out = two_process_runs / "plain"
     assert (out / "model.safetensors").read_bytes() == (seven_steps[0] / "model.safetensors").read_bytes()
     assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "eval_loss")] == [4, 7]
     r, evaluated_by_steps = results(out), results(seven_steps[0])
@@ -141,18 +170,15 @@ def test_logging_steps_logs_the_exact_mean_training_loss_of_its_steps(seven_step
     assert tensorboard_scalars(out / "train_mnist", "loss")[0][1] == pytest.approx(losses[2], rel=1e-6)
 
 
-def test_a_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_one(seven_steps, digits, tmp_path):
-    """Interrupted after step 5 (its checkpoint, alone in a new folder), resumed: the same weights, the same log of
-    step 6 (the logging window since step 4 was in the checkpoint), the same evaluations and best/."""
+def test_a_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_one(seven_steps, two_process_runs):
+    """Interrupted after step 5 (its checkpoint, continued in a new folder: job resumed), resumed: the same weights,
+    the same log of step 6 (the logging window since step 4 was in the checkpoint), the same evaluations and best/."""
     full, full_log = seven_steps
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    shutil.copytree(full / "step_5", resumed / "step_5")
-    proc = launch(["--data_dir", digits, "--output_dir", resumed, *MNIST_RUN, "--resume_from_checkpoint", "latest"],
-                  num_processes=2)
+    resumed = two_process_runs / "resumed"
+    proc = job(two_process_runs, "resumed", 2)
     assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     after_5 = [line for line in logged(full_log) if line[1] >= 6 or line[0] == "epoch" and line[1] == 1]
-    assert logged(proc.stdout + proc.stderr) == after_5
+    assert logged(proc.stdout) == after_5
     r, rr = results(full), results(resumed)
     for key in ("global_step", "train_loss", "eval_loss", "eval_accuracy", "best_step", "best_eval_loss",
                 "parameter_fingerprints"):
@@ -182,16 +208,12 @@ def test_the_last_steps_checkpoint_resumes_to_the_epochs_end_or_to_nothing_once_
     assert rr["eval_loss"] == pytest.approx(r["eval_loss"], rel=1e-6)  # 1 process evaluates in other batches
 
 
-def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_same_step(tmp_path):
-    """The classifier on 2 processes, evaluated after every step on 1 image: its accuracy, 0 or 1, can improve once at
-    most, so patience 2 ends the run by step 5 of 12, inside an epoch; where, the evaluations say."""
-    images = make_split_image_folder(tmp_path / "images", train_per_class=8, val_per_class=2)
-    out = tmp_path / "out"
-    proc = launch(["--data_dir", images, "--output_dir", out, "--model", "tests.sample_recorder:tiny_cnn",
-                   "--image_size", "16", "--num_workers", "0", "--batch_size", "4", "--optimizer", "adamw",
-                   "--learning_rate", "0.01", "--max_steps", "12", "--eval_steps", "1", "--max_eval_samples", "1",
-                   "--metric_for_best", "eval_accuracy", "--early_stopping_patience", "2", "--logging_steps", "2",
-                   "--with_tracking"], num_processes=2, script=CLASSIFIER)
+def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_same_step(two_process_runs):
+    """The classifier on 2 processes (job early_stopping), evaluated after every step on 1 image: its accuracy, 0 or 1,
+    can improve once at most, so patience 2 ends the run by step 5 of 12, inside an epoch; where, the evaluations
+    say."""
+    proc = job(two_process_runs, "early_stopping", 2)
+    out = two_process_runs / "early_stopping"
     r = results(out)
     accuracy = tensorboard_scalars(out / "train_image_classifier", "eval_accuracy")
     best, without_improvement, stop = None, 0, None
@@ -207,6 +229,6 @@ def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_sam
     assert (r["global_step"], r["stopped_early"], r["best_step"]) == (stop, True, best_step)
     assert (r["epochs"], r["max_steps"], r["steps_per_epoch"], r["eval_samples"]) == (3, 12, 4, 1)
     assert len(set(r["parameter_fingerprints"])) == 1  # both processes stopped after the same step
-    assert "Stopping early: eval_accuracy has not improved for 2 evaluations" in proc.stderr
+    assert "Stopping early: eval_accuracy has not improved for 2 evaluations" in proc.stdout  # both processes' output
     logged_steps = [step for step, _ in tensorboard_scalars(out / "train_image_classifier", "loss")]
     assert logged_steps == list(range(2, stop + 1, 2))

@@ -1,16 +1,23 @@
 """The features users of accelerate's by_feature examples expect, in both training scripts: gradient clipping,
 early stopping with the best model kept, the profiler, trackers beyond TensorBoard (MLflow, W&B), and a batch
-size that backs off on out-of-memory."""
+size that backs off on out-of-memory.
 
+Processes: the two 2-process runs, the early-stopped MNIST run and the classifier's --auto_find_batch_size, are the
+jobs of one launch (`two_process_runs`: tests/sample_recorder.py --jobs through tests/test_predict.py's launch_jobs,
+each launched process importing torch and Accelerate once, then forking one child per job); the 1-process --eval_only
+of best/ runs alone (run_alone: no launcher around it)."""
+
+import importlib.util
 import json
 import struct
 
 import pytest
 import torch
-from helpers import REPO, launch, results, run_alone
+from helpers import REPO, TRAIN_MNIST, results, run_alone
 from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
+from test_predict import job, launch_jobs
 
 from utils.report.meters import GradNorms
 
@@ -19,23 +26,49 @@ PATIENCE = 1
 STEPS_PER_EPOCH = 640 // (2 * 16 * 2)  # synthetic_mnist: 640 samples; 2 processes x 16 x 2 accumulation steps
 
 
+MLFLOW_MISSING = "MLflow is an optional install: pip install -r requirements-trackers.txt"
+
+
 @pytest.fixture(scope="module")
-def early_stopped(synthetic_mnist, tmp_path_factory):
+def two_process_runs(synthetic_mnist, tmp_path_factory):
+    """The one 2-process launch: early_stopped/ (below; only where MLflow is installed), then the classifier with
+    --auto_find_batch_size (auto_batch/). The trackers' variables are the launch's: only early_stopped reports to them.
+    Returns its folder; each test reads its job (test_predict.job: every process exited 0)."""
+    root = tmp_path_factory.mktemp("features_2proc")
+    out = root / "early_stopped"
+    out.mkdir()  # W&B writes into it (WANDB_DIR)
+    jobs = {}
+    if importlib.util.find_spec("mlflow") is not None:  # else early_stopped skips its tests, and only this one runs
+        jobs["early_stopped"] = [
+            TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, "--output_dir", out, "--epochs", "12", "--batch_size",
+            "16", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.001", "--metric_for_best",
+            "eval_accuracy", "--early_stopping_patience", PATIENCE, "--profile", "--report_to", "all",
+            "--lr_scheduler_type", "onecycle", "--warmup_steps", "18"]
+    data = make_split_image_folder(root / "images", train_per_class=40, val_per_class=4)
+    jobs["auto_batch"] = [
+        TRAIN_IMAGE_CLASSIFIER, "--cpu", "--data_dir", data, "--output_dir", root / "auto_batch", "--model",
+        "tests.oom_model:small_cnn_out_of_memory_above_16", "--image_size", "32", "--epochs", "1", "--num_workers", "0",
+        "--batch_size", "32", "--auto_find_batch_size", "--max_grad_norm", "1.0", "--metric_for_best", "eval_loss"]
+    launch_jobs(jobs, 2, root, env={"MLFLOW_TRACKING_URI": mlflow_store(root), "WANDB_MODE": "offline",
+                                    "WANDB_DIR": str(out), "WANDB_SILENT": "true"})
+    return root
+
+
+def mlflow_store(root) -> str:
+    """early_stopped's MLflow store: a local SQLite file beside its output folder."""
+    return f"sqlite:///{root / 'early_stopped-mlflow.db'}"
+
+
+@pytest.fixture(scope="module")
+def early_stopped(two_process_runs, synthetic_mnist):
     """2 processes, clipping every step, the best accuracy kept, stopping once it stops improving (the synthetic
     digits reach 100% within a few epochs), profiled, logged to every tracker installed: TensorBoard, MLflow in a
     local SQLite store, W&B offline (CI installs requirements-trackers.txt). The schedule's flags are the defaults,
     said (onecycle, 15% of 120 steps = 18 of warmup: the same rates bit for bit), for test_lr_schedules.py's claim
-    that run.json records them (one launch fewer)."""
-    pytest.importorskip("mlflow", reason="MLflow is an optional install: pip install -r requirements-trackers.txt")
-    out = tmp_path_factory.mktemp("early_stopped")
-    store = f"sqlite:///{out.parent / (out.name + '-mlflow.db')}"
-    proc = launch(["--data_dir", synthetic_mnist, "--output_dir", out, "--epochs", "12", "--batch_size", "16",
-                   "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.001", "--metric_for_best",
-                   "eval_accuracy", "--early_stopping_patience", PATIENCE, "--profile", "--report_to", "all",
-                   "--lr_scheduler_type", "onecycle", "--warmup_steps", "18"],
-                  num_processes=2, env={"MLFLOW_TRACKING_URI": store, "WANDB_MODE": "offline", "WANDB_DIR": str(out),
-                                        "WANDB_SILENT": "true"})
-    return out, proc.stdout + proc.stderr, store, synthetic_mnist
+    that run.json records them (one launch fewer). (output_dir, what both processes printed, store, data)."""
+    pytest.importorskip("mlflow", reason=MLFLOW_MISSING)
+    output = job(two_process_runs, "early_stopped", 2).stdout
+    return two_process_runs / "early_stopped", output, mlflow_store(two_process_runs), synthetic_mnist
 
 
 def mlflow_run(store: str, experiment: str):
@@ -213,18 +246,15 @@ def test_wandb_offline_run_holds_every_epochs_metrics(early_stopped):
     assert history[-1]["eval_accuracy"] == r["eval_accuracy"] and history[-1]["grad_norm_mean"] == r["grad_norm_mean"]
 
 
-def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batch(tmp_path):
-    data = make_split_image_folder(tmp_path / "images", train_per_class=40, val_per_class=4)
-    out = tmp_path / "out"
-    proc = launch(["--data_dir", data, "--output_dir", out, "--model", "tests.oom_model:small_cnn_out_of_memory_above_16",
-                   "--image_size", "32", "--epochs", "1", "--num_workers", "0", "--batch_size", "32",
-                   "--auto_find_batch_size", "--max_grad_norm", "1.0", "--metric_for_best", "eval_loss"],
-                  num_processes=2, script=TRAIN_IMAGE_CLASSIFIER)
+def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batch(two_process_runs):
+    """Job auto_batch: a model that runs out of memory above 16 images, asked for 32 per process."""
+    proc = job(two_process_runs, "auto_batch", 2)
+    out = two_process_runs / "auto_batch"
     r = results(out)
     assert r["batch_size_per_process"] == FITS and r["gradient_accumulation_steps"] == 32 // FITS
     assert r["global_batch_size"] == 2 * 32 and r["global_step"] == r["train_size"] // 64 == 2
     assert r["samples_seen"] == 2 * 64 and r["eval_samples"] == 16
-    assert "--batch_size 32 runs out of memory, 16 fits (tried [32, 16])" in proc.stdout + proc.stderr
+    assert "--batch_size 32 runs out of memory, 16 fits (tried [32, 16])" in proc.stdout  # both processes' output
     assert 0 < r["grad_norm_mean"] and r["steps_clipped"] <= r["global_step"]
     assert r["best_epoch"] == 0 and r["best_eval_loss"] == r["eval_loss"] and not r["stopped_early"]
     assert load_file(out / "best" / "model.safetensors").keys() == load_file(out / "model.safetensors").keys()
