@@ -27,7 +27,9 @@ Each launched process imports torch, Accelerate and the data libraries once (8-1
 forks one child per job, in the file's order, that runs `SCRIPT ARGS` as above with the job's $SAMPLE_LOG, its own
 MASTER_PORT (the children of every rank form a group of their own) and its output in $SAMPLE_LOG.rank{RANK}.out: as
 tests/snippet_batch.py does for the migration guide's snippets. A job waits for the one before it, so it may resume
-from its checkpoints. The launch exits 0 when every job ended as expected (`"fails": true`: non-zero).
+from its checkpoints. The launch exits 0 when every job ended as expected (`"fails": true`: non-zero). A job's
+`"unset_env"`: prefixes of the environment variables its child runs without (an FSDP launch's ACCELERATE_USE_FSDP and
+FSDP_*: a DDP job, tests/test_fsdp.py).
 """
 
 import faulthandler
@@ -178,7 +180,8 @@ PRELOADED = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accelerate.
 
 def jobs_file(path, jobs) -> Path:
     """Write PATH for `--jobs PATH`; `jobs`: dicts of argv (SCRIPT ARGS), sample_log, timeout (s) and optionally fails
-    (the job must exit non-zero: a refusal). Each job gets a free port of its own (its MASTER_PORT)."""
+    (the job must exit non-zero: a refusal) and unset_env (prefixes: the variables of the launch the job runs
+    without). Each job gets a free port of its own (its MASTER_PORT)."""
     from helpers import free_consecutive_ports  # the test process's; not at the top: launched processes import this
 
     first_port = free_consecutive_ports(len(jobs))
@@ -216,6 +219,8 @@ def run_jobs(path) -> int:
             # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
             os.environ.update({"SAMPLE_LOG": job["sample_log"], "MASTER_PORT": str(job["port"]),
                                "TORCHELASTIC_USE_AGENT_STORE": "False"})  # rank 0's child serves its group's store
+            for name in [name for name in os.environ if name.startswith(tuple(job.get("unset_env", ())))]:
+                del os.environ[name]
             with open(f"{job['sample_log']}.rank{rank}.out", "w") as output:
                 os.dup2(output.fileno(), 1)
                 os.dup2(output.fileno(), 2)

@@ -3,24 +3,29 @@ over 2 and 3 gloo processes through the same prepare/save_state/load_state/get_s
 makes. Proven against a DDP run of the same seed (loss per step, evaluation), with the checkpoints' shards resumed on
 the same process count (the same final weights) and on another one (every sample trained once, by id), and the whole
 weights out under the plain model's names; an FSDP run's ONNX export, and a damaged DCP shard found by the manifest.
-Six launches in all, each checking as much as it can, in two rounds of independent ones side by side (`launched`)."""
+Three launches in all (`launched`), one after the other as each resumes the one before: every run a forked job of
+tests/sample_recorder.py --jobs under the FSDP config (the DDP run too, its FSDP settings unset), on 2, 3, then 2
+processes; scripts/predict.py's two runs in the test process."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import re
 import shutil
-import sys
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torchvision
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import merge_fsdp_weights
-from helpers import REPO, launch, launcher_args, make_synthetic_mnist, results, run, skip_or_fail_in_ci
+from helpers import REPO, launcher_args, load_script, make_synthetic_mnist, results, run, skip_or_fail_in_ci
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
+from sample_recorder import job_outcome, jobs_file
 
 from utils.data.mnist import load_mnist_idx, normalise_mnist
 from utils.errors import UserError
@@ -44,21 +49,46 @@ CLASSIFIER_ARGS = ["--model", "resnet18", "--image_size", "32", "--stem", "image
 LOGGED_LOSS = re.compile(r"step (\d+): \{'loss': ([-+.e0-9]+)")
 
 
-def launch_fsdp(script, args, num_processes, sample_log=None):
-    """accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml SCRIPT --cpu ARGS on N processes; with
-    `sample_log`, under tests/sample_recorder.py, which logs the index of every training sample each process fetched."""
-    cmd = [*launcher_args(config_file=FSDP_CPU), "--num_processes", num_processes]
-    cmd += [RECORDER, script] if sample_log else [script]
-    env = {"SAMPLE_LOG": str(sample_log)} if sample_log else None
-    return run([*cmd, "--cpu", *args], env=env)
+def launch_jobs(jobs: dict, num_processes: int, root, without_fsdp=()) -> dict:
+    """One `accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml` on N processes of
+    tests/sample_recorder.py --jobs: each launched process imports torch and Accelerate once, then forks one child per
+    job {NAME: [SCRIPT, *ARGS]} in turn, which runs `SCRIPT --cpu ARGS` with the launch's environment (the FSDP
+    settings the launcher exports) and ROOT/samples_NAME as its $SAMPLE_LOG; a job may resume from the checkpoints of
+    the ones before it. Those in `without_fsdp` run without ACCELERATE_USE_FSDP and FSDP_*, all that a DDP launch's
+    environment lacks beside this one's: DDP. Returns {NAME: the job as a finished process, every rank's output in
+    .stderr, rank 0's first}; fails unless every job and the launch exited 0 (with helpers.run's exit check: no gloo
+    thread alive at the exit of any process, the forked ones too). A launch of its own per run costs ~10 CPU-s more."""
+    manifest = jobs_file(root / f"jobs_{'_'.join(jobs)}.json", [
+        {"argv": [script, "--cpu", *args], "sample_log": root / f"samples_{name}", "timeout": 600,
+         "unset_env": ["ACCELERATE_USE_FSDP", "FSDP_"] if name in without_fsdp else []}
+        for name, (script, *args) in jobs.items()])
+    launch = run([*launcher_args(config_file=FSDP_CPU), "--num_processes", num_processes, RECORDER, "--jobs", manifest],
+                 check=False, timeout=600 * len(jobs))
+    finished = {}
+    for name in jobs:
+        statuses, outputs = job_outcome(root / f"samples_{name}", num_processes)
+        output = "".join(outputs)
+        assert statuses == [0] * num_processes, f"job {name} exited {statuses}:\n{output[-8000:]}"
+        finished[name] = subprocess.CompletedProcess(name, 0, "", output)
+    assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
+    return finished
 
 
-def side_by_side(*launches) -> list:
-    """Run independent launches at the same time, returning their finished processes in order. A launch this small
-    leaves the cores idle much of the time (its launcher starting alone, processes waiting on each other and on
-    fsync): side by side, MNIST's four launches took 113 s on this loaded 2-core machine, one after the other 188 s."""
-    with ThreadPoolExecutor(len(launches)) as pool:
-        return [future.result() for future in [pool.submit(launch) for launch in launches]]
+def predict_here(*argv) -> subprocess.CompletedProcess:
+    """scripts/predict.py's main() on `argv` in the test process, as `python scripts/predict.py --cpu ARGV` runs it
+    on one process, without starting one (~4 CPU-s each); its stdout captured. Accelerate's state is reset before and
+    after, so that no other test of this process meets this Accelerator, nor this one an earlier one's."""
+    script = load_script(PREDICT)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as stdout:
+            status = script.main(script.parse_args(["--cpu", *map(str, argv)]))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    assert status == 0, stdout.getvalue()
+    return subprocess.CompletedProcess(argv, status, stdout.getvalue(), "")
 
 
 def flip_a_byte(path) -> None:
@@ -101,42 +131,44 @@ EXPORT_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every process this module starts, in two rounds side by side (the second reads what the first wrote).
-    First: MNIST under DDP on 2 processes, MNIST under FSDP on 2 (a checkpoint every 2 steps), the image classifier
-    under FSDP on 3 (checkpoint step_2). Then: MNIST under FSDP on 3 resumed from the FSDP run's step_2 (mid-epoch 0)
-    with a damaged copy of its step_4 beside it ('latest' must pass over it), itself saving step_4; MNIST under FSDP
-    on 2 resumed from the FSDP run's step_4 (mid-epoch 1); the image classifier resumed from its step_2 on 2;
-    scripts/predict.py on the classifier's 3-process run, and its ONNX export of the MNIST FSDP run."""
+    """Every run of this module, in three FSDP launches of forked jobs (`launch_jobs`), each after the one whose
+    checkpoints it resumes (2 processes, then 3, then 2 again: one process count per launch):
+    1. on 2 processes: MNIST under FSDP (a checkpoint every 2 steps), and MNIST under DDP (the FSDP settings unset);
+    2. on 3: the image classifier under FSDP (checkpoint step_2); MNIST under FSDP resumed from the FSDP run's step_2
+       (mid-epoch 0) with a damaged copy of its step_4 beside it ('latest' must pass over it), itself saving step_4;
+    3. on 2: MNIST under FSDP resumed from the FSDP run's step_4 (mid-epoch 1); the image classifier resumed from its
+       step_2 on 2. Meanwhile, in this process (`predict_here`), scripts/predict.py on the classifier's 3-process
+       run, and its ONNX export of the MNIST FSDP run."""
     root = tmp_path_factory.mktemp("fsdp")
     data = make_synthetic_mnist(root / "data", num_train=N, num_test=203)
     args = ["--data_dir", data, *map(str, MNIST)]
     images = make_split_image_folder(root / "images", train_per_class=9, val_per_class=5)
     classifier = [*CLASSIFIER_ARGS, "--data_dir", images]
-    runs = dict(zip(("ddp", "fsdp", "on3"), side_by_side(
-        partial(launch, [*args, "--output_dir", root / "ddp"], num_processes=2),
-        partial(launch_fsdp, TRAIN_MNIST, [*args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"], 2,
-                sample_log=root / "samples_fsdp"),
-        partial(launch_fsdp, CLASSIFIER, [*classifier, "--batch_size", "4", "--output_dir", root / "on3",
-                                          "--checkpointing_steps", "2"], 3))))
+    runs = launch_jobs({"fsdp": [TRAIN_MNIST, *args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"],
+                        "ddp": [TRAIN_MNIST, *args, "--output_dir", root / "ddp"]}, 2, root, without_fsdp=["ddp"])
 
-    second = {}
     shutil.copytree(root / "fsdp" / "step_4", root / "resized" / "step_4")
     flip_a_byte(root / "resized" / "step_4" / "pytorch_model_fsdp_0" / "__1_0.distcp")  # process 1's model shard
-    for name, checkpoint, num_processes, batch_size in (("resized", "step_2", 3, "16"), ("resumed", "step_4", 2, "24")):
+    resumes = {}
+    for name, checkpoint, batch_size in (("resized", "step_2", "16"), ("resumed", "step_4", "24")):
         shutil.copytree(root / "fsdp" / checkpoint, root / name / checkpoint)
-        second[name] = partial(launch_fsdp, TRAIN_MNIST, [
-            *args, "--output_dir", root / name, "--batch_size", batch_size, "--checkpointing_steps", "2",
-            "--resume_from_checkpoint", "latest"], num_processes, sample_log=root / f"samples_{name}")
+        resumes[name] = [TRAIN_MNIST, *args, "--output_dir", root / name, "--batch_size", batch_size,
+                         "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"]
+    runs.update(launch_jobs({"on3": [CLASSIFIER, *classifier, "--batch_size", "4", "--output_dir", root / "on3",
+                                     "--checkpointing_steps", "2"],
+                             "resized": resumes["resized"]}, 3, root))
+
     shutil.copytree(root / "on3" / "step_2", root / "on2" / "step_2")
-    second["on2"] = partial(launch_fsdp, CLASSIFIER, [*classifier, "--batch_size", "6", "--output_dir", root / "on2",
-                                                      "--resume_from_checkpoint", "latest"], 2)
-    second["predict"] = partial(run, [sys.executable, PREDICT, "--cpu", "--model_dir", root / "on3", "--data_dir",
-                                      images, "--output_file", root / "predictions.csv", "--num_workers", "0"])
-    if all(importlib.util.find_spec(name) for name in EXPORT_PACKAGES):  # else the export's test says what is missing
-        second["export"] = partial(run, [sys.executable, PREDICT, "--cpu", "--model_dir", root / "fsdp", "--data_dir",
-                                         data, "--export", "onnx", "--export_file", root / "fsdp.onnx",
-                                         "--batch_size", "16"])
-    runs.update(zip(second, side_by_side(*second.values())))
+    with ThreadPoolExecutor(1) as pool:  # the last launch, and meanwhile the predictions in this process
+        last = pool.submit(launch_jobs, {"resumed": resumes["resumed"], "on2": [
+            CLASSIFIER, *classifier, "--batch_size", "6", "--output_dir", root / "on2",
+            "--resume_from_checkpoint", "latest"]}, 2, root)
+        predict_here("--model_dir", root / "on3", "--data_dir", images, "--output_file", root / "predictions.csv",
+                     "--num_workers", "0")
+        if all(importlib.util.find_spec(name) for name in EXPORT_PACKAGES):  # else its test says what is missing
+            runs["export"] = predict_here("--model_dir", root / "fsdp", "--data_dir", data, "--export", "onnx",
+                                          "--export_file", root / "fsdp.onnx", "--batch_size", "16")
+        runs.update(last.result())
     return root, runs
 
 
