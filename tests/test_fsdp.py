@@ -7,6 +7,7 @@ Three launches in all (`launched`), one after the other as each resumes the one 
 tests/sample_recorder.py --jobs under the FSDP config (the DDP run too, its FSDP settings unset), on 2, 3, then 2
 processes; scripts/predict.py's two runs in the test process."""
 
+import ast
 import contextlib
 import importlib.util
 import io
@@ -47,6 +48,7 @@ LOSS_TOLERANCE = 1e-4
 CLASSIFIER_ARGS = ["--model", "resnet18", "--image_size", "32", "--stem", "imagenet", "--optimizer", "adamw",
                    "--num_workers", "0", "--epochs", "1", "--gradient_checkpointing", "--mixed_precision", "bf16"]
 LOGGED_LOSS = re.compile(r"step (\d+): \{'loss': ([-+.e0-9]+)")
+LOGGED_EPOCH = re.compile(r"INFO \[RANK 0\] epoch (\d+): (\{.*\})$", re.MULTILINE)
 
 
 def launch_jobs(jobs: dict, num_processes: int, root, without_fsdp=()) -> dict:
@@ -100,6 +102,11 @@ def flip_a_byte(path) -> None:
 
 def logged_losses(proc) -> dict:
     return {int(step): float(loss) for step, loss in LOGGED_LOSS.findall(proc.stderr)}
+
+
+def logged_epochs(proc) -> dict:
+    """{epoch: the metrics rank 0 logged at its end}."""
+    return {int(epoch): ast.literal_eval(metrics) for epoch, metrics in LOGGED_EPOCH.findall(proc.stderr)}
 
 
 def fetched(log, rank) -> list:
@@ -186,6 +193,12 @@ def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(launched):
     assert fsdp["eval_samples"] == ddp["eval_samples"] == 203
     assert fsdp["eval_accuracy"] == ddp["eval_accuracy"]
     assert fsdp["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=LOSS_TOLERANCE)
+    # Epoch 0's evaluation follows step 3, a step after the last checkpoint's state_dict() took rank 0's buffers: only
+    # the evaluation's own broadcast (complete_fsdp_model's forward pre-hook) makes it DDP's. Measured: equal to the
+    # last bit (two processes' gradient sums have one order); each process's own buffers: 1.8e-4 apart.
+    epochs, ddp_epochs = logged_epochs(runs["fsdp"]), logged_epochs(runs["ddp"])
+    assert sorted(epochs) == sorted(ddp_epochs) == [0, 1]
+    assert epochs[0]["eval_loss"] == pytest.approx(ddp_epochs[0]["eval_loss"], abs=1e-6)
     # the whole weights under the plain names, in one file: they load into the plain model, and match DDP's
     weights, ddp_weights = load_file(root / "fsdp" / "model.safetensors"), load_file(root / "ddp" / "model.safetensors")
     ConvNet().load_state_dict(weights)  # strict: every name matches
