@@ -180,8 +180,9 @@ PRELOADED = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accelerate.
 
 def jobs_file(path, jobs) -> Path:
     """Write PATH for `--jobs PATH`; `jobs`: dicts of argv (SCRIPT ARGS), sample_log, timeout (s) and optionally fails
-    (the job must exit non-zero: a refusal) and unset_env (prefixes: the variables of the launch the job runs
-    without). Each job gets a free port of its own (its MASTER_PORT)."""
+    (the job must exit non-zero: a refusal), env (variables set for that job only, as a launcher's) and unset_env
+    (prefixes: the variables of the launch the job runs without). Each job gets a free port of its own (its
+    MASTER_PORT)."""
     from helpers import free_consecutive_ports  # the test process's; not at the top: launched processes import this
 
     first_port = free_consecutive_ports(len(jobs))
@@ -217,7 +218,7 @@ def run_jobs(path) -> int:
         pid = os.fork()
         if pid == 0:
             # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
-            os.environ.update({"SAMPLE_LOG": job["sample_log"], "MASTER_PORT": str(job["port"]),
+            os.environ.update({**job.get("env", {}), "SAMPLE_LOG": job["sample_log"], "MASTER_PORT": str(job["port"]),
                                "TORCHELASTIC_USE_AGENT_STORE": "False"})  # rank 0's child serves its group's store
             for name in [name for name in os.environ if name.startswith(tuple(job.get("unset_env", ())))]:
                 del os.environ[name]

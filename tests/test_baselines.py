@@ -1,14 +1,20 @@
-"""The baselines (scripts/baselines/) train what train_mnist.py trains, as well, and exactly."""
+"""The baselines (scripts/baselines/) train what train_mnist.py trains, as well, and exactly.
+
+The one-process runs (plain_mnist.py on the real digits, ddp_mnist.py and train_mnist.py on generated ones,
+DataParallel's refusal) are jobs of one process (one_process_runs: tests/sample_recorder.py --jobs, torch and
+Accelerate imported once, a child forked per run); raw DDP on 2 processes is torchrun's launch, as users type it."""
 
 import math
+import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (MNIST_10K, REPO, assert_clean_user_error, load_script, requires_mnist_10k, results, run,
-                     run_alone)
+from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, load_script, requires_mnist_10k, results,
+                     run)
 from safetensors.torch import load_file
+from sample_recorder import job_outcome, jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -16,6 +22,7 @@ from utils.models import ConvNet
 
 BASELINES = REPO / "scripts" / "baselines"
 PLAIN, DDP, DATAPARALLEL = (BASELINES / f"{name}_mnist.py" for name in ("plain", "ddp", "dataparallel"))
+RECORDER = REPO / "tests" / "sample_recorder.py"
 
 
 def torchrun(script, args, nproc: int, **kwargs):
@@ -36,12 +43,52 @@ def evaluate_saved_model(output_dir, max_eval_samples=None):
     return correct, F.cross_entropy(logits, labels, reduction="none").double().mean().item()
 
 
-@requires_mnist_10k
-def test_plain_reaches_98_percent_like_train_mnist(tmp_path):
-    # One thread, as accelerate launch gives the Accelerate script (and quicker on a busy CI machine).
-    run([sys.executable, PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", tmp_path],
+# Without a GPU pair, DataParallel refuses to start (with one, it would train: that test skips)
+REFUSES_DATAPARALLEL = torch.cuda.device_count() < 2
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(synthetic_mnist, tmp_path_factory):
+    """The one-process runs, each a child forked from one `python tests/sample_recorder.py --jobs`, with the one thread
+    accelerate launch gives a CPU process (float sums depend on how many threads share them; quicker on a busy
+    machine too), in turn: DataParallel's refusal (dataparallel), raw DDP and train_mnist.py on the generated digits
+    (ddp/, accelerate/) and, where the real digits are, plain_mnist.py's full run (plain/). Returns its folder; each
+    test reads its run (finished)."""
+    root = tmp_path_factory.mktemp("baselines_1proc")
+    args = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16"]
+    # ddp_mnist.py with the environment `torchrun --standalone --nproc_per_node 1` gives its one worker (its port: the
+    # job's own), without torchrun's own process: torchrun itself is launched in the 2-process test below and in
+    # test_benchmark.py. train_mnist.py without accelerate launch (an Accelerator needs no launcher; the launched runs
+    # of it are in test_train_mnist.py).
+    torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                    "MASTER_ADDR": "127.0.0.1"}
+    jobs = {"ddp": ([DDP, "--cpu", *args, "--output_dir", root / "ddp"], torchrun_env),
+            "accelerate": ([TRAIN_MNIST, "--cpu", *args, "--output_dir", root / "accelerate"], {})}
+    if REFUSES_DATAPARALLEL:
+        empty = root / "empty"
+        empty.mkdir()
+        jobs["dataparallel"] = ([DATAPARALLEL, "--data_dir", empty, "--output_dir", empty / "out"], {})
+    if not requires_mnist_10k.args[0]:  # the skip's condition: the real digits are absent
+        jobs["plain"] = ([PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", root / "plain"], {})
+    manifest = jobs_file(root / "jobs.json", [{"argv": argv, "env": env, "sample_log": root / name, "timeout": 600,
+                                               "fails": name == "dataparallel"} for name, (argv, env) in jobs.items()])
+    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
         env={"OMP_NUM_THREADS": "1"})
-    r = results(tmp_path)
+    return root
+
+
+def finished(folder, name: str, fails: bool = False) -> subprocess.CompletedProcess:
+    """Job NAME of one_process_runs as a finished process: its exit status (0 unless it `fails`) and output."""
+    (status,), (output,) = job_outcome(folder / name, 1)
+    assert status is not None and (status != 0) == fails, f"job {name} exited {status}\n{output[-6000:]}"
+    return subprocess.CompletedProcess(name, status, output, "")
+
+
+@requires_mnist_10k
+def test_plain_reaches_98_percent_like_train_mnist(one_process_runs):
+    finished(one_process_runs, "plain")
+    out = one_process_runs / "plain"
+    r = results(out)
     assert r["method"] == "plain" and r["num_processes"] == 1 and r["mixed_precision"] == "no"
     assert r["eval_accuracy"] >= 0.98
     assert r["eval_samples"] == 2000
@@ -49,7 +96,7 @@ def test_plain_reaches_98_percent_like_train_mnist(tmp_path):
     assert r["samples_seen"] == 3 * 8000
     assert 0 < r["train_loss"] < 0.2 and 0 < r["eval_loss"] < 0.1
     assert r["train_samples_per_second"] > 0 and r["train_time_s"] > 0 and r["peak_memory_mb"] > 50
-    correct, loss = evaluate_saved_model(tmp_path)
+    correct, loss = evaluate_saved_model(out)
     assert correct == round(r["eval_accuracy"] * 2000)
     assert loss == pytest.approx(r["eval_loss"], rel=1e-6)
 
@@ -73,22 +120,12 @@ def test_raw_ddp_on_2_processes_reaches_97_5_percent_with_exact_eval(tmp_path):
     assert loss == pytest.approx(r["eval_loss"], rel=1e-6)
 
 
-def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(synthetic_mnist, tmp_path):
+def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(one_process_runs):
     """Same seed, same initial weights, same shuffle (seed + epoch), same schedule: the
     baseline is the same training, so the comparison in the benchmark is fair."""
-    args = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16"]
-    # accelerate launch gives a CPU process one thread; so does this run (float sums depend on how many threads share
-    # them). ddp_mnist.py started with the environment `torchrun --standalone --nproc_per_node 1` gives its one worker
-    # (port 0: the store picks a free one), without torchrun's own process: torchrun itself is launched in the
-    # 2-process test above and in test_benchmark.py.
-    torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
-    run([sys.executable, DDP, "--cpu", *args, "--output_dir", tmp_path / "ddp"],
-        env={"OMP_NUM_THREADS": "1", **torchrun_env})
-    # train_mnist.py on one process without accelerate launch (an Accelerator needs no launcher; the launched runs
-    # of it are in test_train_mnist.py): half the start-up cost
-    run_alone([*args, "--output_dir", tmp_path / "accelerate"], env={"OMP_NUM_THREADS": "1"})
-    ddp, accelerate = results(tmp_path / "ddp"), results(tmp_path / "accelerate")
+    for name in ("ddp", "accelerate"):
+        finished(one_process_runs, name)
+    ddp, accelerate = results(one_process_runs / "ddp"), results(one_process_runs / "accelerate")
     assert ddp["parameter_fingerprints"] == accelerate["parameter_fingerprints"]
     assert ddp["global_step"] == accelerate["global_step"] == 2 * 40
     for key in ("eval_accuracy", "eval_loss", "eval_samples", "samples_seen"):
@@ -97,18 +134,18 @@ def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(synth
     assert accelerate["eval_accuracy"] >= 0.9  # and it learned something (chance is 0.1)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs, so DataParallel would train")
-def test_dataparallel_without_two_gpus_exits_with_one_clear_line(tmp_path):
-    proc = run([sys.executable, DATAPARALLEL, "--data_dir", tmp_path, "--output_dir", tmp_path / "out"], check=False)
+@pytest.mark.skipif(not REFUSES_DATAPARALLEL, reason="this machine has 2+ GPUs, so DataParallel would train")
+def test_dataparallel_without_two_gpus_exits_with_one_clear_line(one_process_runs):
+    proc = finished(one_process_runs, "dataparallel", fails=True)
     assert_clean_user_error(proc, "nn.DataParallel needs 2 or more CUDA GPUs", "plain_mnist.py")
     assert proc.returncode == 1
-    assert not (tmp_path / "out").exists()
+    assert not (one_process_runs / "empty" / "out").exists()
 
 
 def test_user_errors_of_the_baselines(synthetic_mnist, tmp_path, monkeypatch, capsys):
     """Asked in this process (the scripts' main and parse_args): each refusal is decided before any training, and the
-    way a refusal leaves a baseline's process (one `error:` line, exit status 1, nothing written) is launched above,
-    by DataParallel's, through the same exit_with_error."""
+    way a refusal leaves a baseline's process (one `error:` line, exit status 1, nothing written) is run above, by
+    DataParallel's (a job of one_process_runs), through the same exit_with_error."""
     ddp, plain = load_script(DDP), load_script(PLAIN)
     # ddp_mnist.py needs torchrun ...
     monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -1,7 +1,10 @@
 """The minimal pair: scripts/baselines/minimal_mnist_plain.py (plain PyTorch, one device) and
 scripts/minimal_mnist.py (Accelerate). Their diff is the migration; on one process they train
 the same model, bit for bit; on two, the evaluation counts every sample once; a launch that
-would run, but not as asked, stops with one line."""
+would run, but not as asked, stops with one line. The one-process runs (the pair on the real digits, and the
+refusal of a folder without the data) are jobs of one process (tests/sample_recorder.py --jobs: torch and Accelerate
+imported once, a child forked per run); the launches with config files and the two-process run are launches of their
+own."""
 
 import importlib.util
 import re
@@ -18,14 +21,15 @@ from helpers import (
     requires_mnist_10k,
     results,
     run,
-    run_alone,
 )
 from safetensors.torch import load_file
+from sample_recorder import job_outcome, jobs_file
 
 from utils.models import ConvNet as UtilsConvNet
 
 PLAIN = REPO / "scripts" / "baselines" / "minimal_mnist_plain.py"
 MINIMAL = REPO / "scripts" / "minimal_mnist.py"
+RECORDER = REPO / "tests" / "sample_recorder.py"
 # accelerate launch gives each process OMP_NUM_THREADS=1 unless told otherwise; the plain run gets the
 # same, since a different thread count sums the convolutions in another order (other last bits).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -102,31 +106,47 @@ def test_both_scripts_hold_the_collections_convnet():
     assert repr(load_script(PLAIN).ConvNet()) == repr(load_script(MINIMAL).ConvNet()) == expected
 
 
-def test_a_folder_without_the_data_ends_with_one_line(tmp_path):
-    # plain python: the script reads its data on one process as on several, and the refusals above go through
-    # accelerate launch
-    proc = run_alone(["--data_dir", tmp_path, "--output_dir", tmp_path / "out"], script=MINIMAL, check=False)
-    assert_clean_user_error(proc, "train-images-idx3-ubyte.gz", "--data_dir")
-    assert not (tmp_path / "out").exists()
-
-
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """Both scripts, one epoch on the 8,000 real training digits, on one CPU process. Accumulating
-    over 2 of the 125 batches ends the epoch with a window of one batch, where hand-written loops go wrong.
-    On one process accelerate leaves the DataLoader's RandomSampler as it is, so both shuffle with the
-    same seed drawn from torch's global generator (use_seedable_sampler=True would shuffle otherwise)."""
+    """The one-process runs, each a child forked from one `python tests/sample_recorder.py --jobs` (ONE_THREAD; plain
+    python, as a user may run either script: an Accelerator needs no launcher, and the two-process test goes through
+    accelerate launch), in turn: the minimal script on an empty folder (no_data), then, where the real digits are,
+    both scripts, one epoch on the 8,000 training digits (plain/, accelerate/). Accumulating over 2 of the 125
+    batches ends the epoch with a window of one batch, where hand-written loops go wrong. On one process accelerate
+    leaves the DataLoader's RandomSampler as it is, so both shuffle with the same seed drawn from torch's global
+    generator (use_seedable_sampler=True would shuffle otherwise). Each test reads its run (finished)."""
     out = tmp_path_factory.mktemp("minimal")
-    common = ["--data_dir", MNIST_10K, "--epochs", "1", "--gradient_accumulation_steps", "2", "--cpu"]
-    run([sys.executable, PLAIN, *common, "--output_dir", out / "plain"], env=ONE_THREAD)
-    # plain python too, as a user may run it (an Accelerator needs no launcher), half the start-up cost of accelerate
-    # launch, which the two-process test goes through
-    run([sys.executable, MINIMAL, *common, "--output_dir", out / "accelerate"], env=ONE_THREAD)
+    (out / "empty").mkdir()
+    jobs = {"no_data": [MINIMAL, "--cpu", "--data_dir", out / "empty", "--output_dir", out / "empty" / "out"]}
+    if not requires_mnist_10k.args[0]:  # the skip's condition: the real digits are absent
+        common = ["--data_dir", MNIST_10K, "--epochs", "1", "--gradient_accumulation_steps", "2", "--cpu"]
+        jobs.update(plain=[PLAIN, *common, "--output_dir", out / "plain"],
+                    accelerate=[MINIMAL, *common, "--output_dir", out / "accelerate"])
+    manifest = jobs_file(out / "jobs.json", [{"argv": argv, "sample_log": out / name, "timeout": 600,
+                                              "fails": name == "no_data"} for name, argv in jobs.items()])
+    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs), env=ONE_THREAD)
     return out
+
+
+def finished(folder, name: str, fails: bool = False) -> subprocess.CompletedProcess:
+    """Job NAME of one_process as a finished process: its exit status (0 unless it `fails`) and output."""
+    (status,), (output,) = job_outcome(folder / name, 1)
+    assert status is not None and (status != 0) == fails, f"job {name} exited {status}\n{output[-6000:]}"
+    return subprocess.CompletedProcess(name, status, output, "")
+
+
+def test_a_folder_without_the_data_ends_with_one_line(one_process):
+    # one process: the script reads its data on one process as on several, and the refusals above go through
+    # accelerate launch
+    proc = finished(one_process, "no_data", fails=True)
+    assert_clean_user_error(proc, "train-images-idx3-ubyte.gz", "--data_dir")
+    assert not (one_process / "empty" / "out").exists()
 
 
 @requires_mnist_10k
 def test_one_process_trains_exactly_the_plain_model(one_process):
+    for name in ("plain", "accelerate"):
+        finished(one_process, name)
     plain, accelerated = results(one_process / "plain"), results(one_process / "accelerate")
     assert plain["eval_samples"] == accelerated["eval_samples"] == 2000
     assert accelerated["num_processes"] == plain["num_processes"] == 1

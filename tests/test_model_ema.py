@@ -2,14 +2,16 @@
 optimizer step, evaluated each epoch beside the weights (eval_ema_*), saved in every checkpoint and resumed bit for
 bit, written as model_ema.safetensors, selectable for best/ and by predict.py's --weights ema. The update rule step
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
-under --compile. Every run is a job of one launch per process count (tests/test_predict.py's launch_jobs:
-tests/sample_recorder.py --jobs, each launched process importing torch and Accelerate once): on 2 processes the runs
-with and without the average and the resume, then on 1 process the evaluation of best/, predict.py's and the
-classifier's runs; the 3-process --eval_only is a launch of its own."""
+under --compile. Every run is a job of one launch per process count (tests/sample_recorder.py --jobs, each process
+importing torch and Accelerate once): on 2 processes (tests/test_predict.py's launch_jobs) the runs with and without
+the average and the resume, then on 1 process, started by plain python as accelerate's one-process launcher would run
+it (one process less), the evaluation of best/, predict.py's and the classifier's runs; the 3-process --eval_only is
+a launch of its own (the only 3-process run here)."""
 
 import csv
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -22,10 +24,12 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
+    run,
     run_folder_of,
 )
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
+from sample_recorder import jobs_file
 from test_output_files import documented_files
 from test_predict import job, launch_jobs
 
@@ -38,6 +42,7 @@ from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
+RECORDER = REPO / "tests" / "sample_recorder.py"
 # 640 digits, 2 processes x 16 x 2 accumulation steps: 20 batches per process and epoch, 10 optimizer steps
 COMMON = ["--epochs", "2", "--batch_size", "16", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "7",
           "--learning_rate", "3e-4"]  # low enough that the accuracies stay below 100%: their comparisons say something
@@ -151,12 +156,12 @@ def without_ema(two_process_runs):
 def one_process_runs(with_ema, without_ema, digits, tmp_path_factory):
     """The 1-process launch, after the 2-process one: --eval_only of with_ema's best/ (eval/), predict.py --weights
     ema on with_ema (ema.csv) and on without_ema (refused: no.csv), and the classifier under --compile with the
-    average (classifier/). Returns its folder."""
+    average (classifier/). Its jobs are read as launch_jobs' (job()). Returns its folder."""
     root = tmp_path_factory.mktemp("ema_1proc")
     (root / "eval").mkdir()
     (root / "eval" / "best").symlink_to(with_ema[0] / "best")
     images = make_split_image_folder(root / "images", train_per_class=8, val_per_class=3)
-    launch_jobs({
+    jobs = {
         "eval_best": [TRAIN_MNIST, "--cpu", "--data_dir", digits, "--output_dir", root / "eval", "--eval_only",
                       "--resume_from_checkpoint", "best", "--batch_size", "16"],
         "predict_ema": [PREDICT, "--cpu", "--model_dir", with_ema[0], "--data_dir", digits, "--output_file",
@@ -169,7 +174,15 @@ def one_process_runs(with_ema, without_ema, digits, tmp_path_factory):
                        "4", "--gradient_accumulation_steps", "2", "--epochs", "2", "--optimizer", "adamw",
                        "--learning_rate", "0.002", "--compile", "--model_ema", "--metric_for_best",
                        "eval_ema_accuracy"],
-    }, 1, root, fails=["predict_without_ema"])
+    }
+    # launch_jobs' jobs, started by python with the one thread the launcher would give: accelerate launch's own process
+    # adds nothing to one process (the scripts' launched 1-process runs: test_train_mnist.py, test_predict.py and
+    # test_image_classifier.py)
+    manifest = jobs_file(root / "jobs_1.json", [{"argv": argv, "sample_log": root / name, "timeout": 600,
+                                                 "fails": name == "predict_without_ema"}
+                                                for name, argv in jobs.items()])
+    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
+        env={"OMP_NUM_THREADS": "1"})
     return root
 
 
