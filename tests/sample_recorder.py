@@ -28,8 +28,9 @@ forks one child per job, in the file's order, that runs `SCRIPT ARGS` as above w
 MASTER_PORT (the children of every rank form a group of their own) and its output in $SAMPLE_LOG.rank{RANK}.out: as
 tests/snippet_batch.py does for the migration guide's snippets. A job waits for the one before it, so it may resume
 from its checkpoints. The launch exits 0 when every job ended as expected (`"fails": true`: non-zero). A job's
-`"unset_env"`: prefixes of the environment variables its child runs without (an FSDP launch's ACCELERATE_USE_FSDP and
-FSDP_*: a DDP job, tests/test_fsdp.py).
+`"env"`: variables set for its child only (torchrun's for ddp_mnist.py, tests/test_baselines.py); its `"unset_env"`:
+prefixes of the environment variables its child runs without (an FSDP launch's ACCELERATE_USE_FSDP and FSDP_*: a DDP
+job, tests/test_fsdp.py). job_outcome and finished_job read a finished job's exit statuses and outputs.
 """
 
 import faulthandler
@@ -40,6 +41,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import zlib
 from pathlib import Path
@@ -199,6 +201,16 @@ def job_outcome(sample_log, num_processes: int) -> tuple:
     outputs = [log.with_name(f"{log.name}.rank{rank}.out") for rank in range(num_processes)]
     return ([int(path.read_text()) if path.exists() else None for path in exits],
             [path.read_text() if path.exists() else "" for path in outputs])
+
+
+def finished_job(sample_log, num_processes: int = 1, fails: bool = False) -> subprocess.CompletedProcess:
+    """The job of SAMPLE_LOG as a finished process, asserting that every rank ended (none killed at its timeout) with
+    the same exit status, 0 unless it `fails`; its stderr holds every rank's output, rank 0 first."""
+    statuses, outputs = job_outcome(sample_log, num_processes)
+    output = "".join(outputs)
+    assert None not in statuses and len(set(statuses)) == 1 and (statuses[0] != 0) == fails, (
+        f"job {Path(sample_log).name} exited {statuses}\n{output[-6000:]}")
+    return subprocess.CompletedProcess(str(sample_log), statuses[0], "", output)
 
 
 def run_jobs(path) -> int:

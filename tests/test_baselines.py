@@ -5,7 +5,6 @@ DataParallel's refusal) are jobs of one process (one_process_runs: tests/sample_
 Accelerate imported once, a child forked per run); raw DDP on 2 processes is torchrun's launch, as users type it."""
 
 import math
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import torch.nn.functional as F
 from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, load_script, requires_mnist_10k, results,
                      run)
 from safetensors.torch import load_file
-from sample_recorder import job_outcome, jobs_file
+from sample_recorder import finished_job, jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -53,7 +52,7 @@ def one_process_runs(synthetic_mnist, tmp_path_factory):
     accelerate launch gives a CPU process (float sums depend on how many threads share them; quicker on a busy
     machine too), in turn: DataParallel's refusal (dataparallel), raw DDP and train_mnist.py on the generated digits
     (ddp/, accelerate/) and, where the real digits are, plain_mnist.py's full run (plain/). Returns its folder; each
-    test reads its run (finished)."""
+    test reads its run (finished_job)."""
     root = tmp_path_factory.mktemp("baselines_1proc")
     args = ["--data_dir", synthetic_mnist, "--epochs", "2", "--batch_size", "16"]
     # ddp_mnist.py with the environment `torchrun --standalone --nproc_per_node 1` gives its one worker (its port: the
@@ -77,16 +76,9 @@ def one_process_runs(synthetic_mnist, tmp_path_factory):
     return root
 
 
-def finished(folder, name: str, fails: bool = False) -> subprocess.CompletedProcess:
-    """Job NAME of one_process_runs as a finished process: its exit status (0 unless it `fails`) and output."""
-    (status,), (output,) = job_outcome(folder / name, 1)
-    assert status is not None and (status != 0) == fails, f"job {name} exited {status}\n{output[-6000:]}"
-    return subprocess.CompletedProcess(name, status, output, "")
-
-
 @requires_mnist_10k
 def test_plain_reaches_98_percent_like_train_mnist(one_process_runs):
-    finished(one_process_runs, "plain")
+    finished_job(one_process_runs / "plain")
     out = one_process_runs / "plain"
     r = results(out)
     assert r["method"] == "plain" and r["num_processes"] == 1 and r["mixed_precision"] == "no"
@@ -124,7 +116,7 @@ def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(one_p
     """Same seed, same initial weights, same shuffle (seed + epoch), same schedule: the
     baseline is the same training, so the comparison in the benchmark is fair."""
     for name in ("ddp", "accelerate"):
-        finished(one_process_runs, name)
+        finished_job(one_process_runs / name)
     ddp, accelerate = results(one_process_runs / "ddp"), results(one_process_runs / "accelerate")
     assert ddp["parameter_fingerprints"] == accelerate["parameter_fingerprints"]
     assert ddp["global_step"] == accelerate["global_step"] == 2 * 40
@@ -136,7 +128,7 @@ def test_raw_ddp_on_one_process_trains_bit_for_bit_what_train_mnist_trains(one_p
 
 @pytest.mark.skipif(not REFUSES_DATAPARALLEL, reason="this machine has 2+ GPUs, so DataParallel would train")
 def test_dataparallel_without_two_gpus_exits_with_one_clear_line(one_process_runs):
-    proc = finished(one_process_runs, "dataparallel", fails=True)
+    proc = finished_job(one_process_runs / "dataparallel", fails=True)
     assert_clean_user_error(proc, "nn.DataParallel needs 2 or more CUDA GPUs", "plain_mnist.py")
     assert proc.returncode == 1
     assert not (one_process_runs / "empty" / "out").exists()

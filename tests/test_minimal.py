@@ -23,7 +23,7 @@ from helpers import (
     run,
 )
 from safetensors.torch import load_file
-from sample_recorder import job_outcome, jobs_file
+from sample_recorder import finished_job, jobs_file
 
 from utils.models import ConvNet as UtilsConvNet
 
@@ -114,7 +114,7 @@ def one_process(tmp_path_factory):
     both scripts, one epoch on the 8,000 training digits (plain/, accelerate/). Accumulating over 2 of the 125
     batches ends the epoch with a window of one batch, where hand-written loops go wrong. On one process accelerate
     leaves the DataLoader's RandomSampler as it is, so both shuffle with the same seed drawn from torch's global
-    generator (use_seedable_sampler=True would shuffle otherwise). Each test reads its run (finished)."""
+    generator (use_seedable_sampler=True would shuffle otherwise). Each test reads its run (finished_job)."""
     out = tmp_path_factory.mktemp("minimal")
     (out / "empty").mkdir()
     jobs = {"no_data": [MINIMAL, "--cpu", "--data_dir", out / "empty", "--output_dir", out / "empty" / "out"]}
@@ -128,17 +128,10 @@ def one_process(tmp_path_factory):
     return out
 
 
-def finished(folder, name: str, fails: bool = False) -> subprocess.CompletedProcess:
-    """Job NAME of one_process as a finished process: its exit status (0 unless it `fails`) and output."""
-    (status,), (output,) = job_outcome(folder / name, 1)
-    assert status is not None and (status != 0) == fails, f"job {name} exited {status}\n{output[-6000:]}"
-    return subprocess.CompletedProcess(name, status, output, "")
-
-
 def test_a_folder_without_the_data_ends_with_one_line(one_process):
     # one process: the script reads its data on one process as on several, and the refusals above go through
     # accelerate launch
-    proc = finished(one_process, "no_data", fails=True)
+    proc = finished_job(one_process / "no_data", fails=True)
     assert_clean_user_error(proc, "train-images-idx3-ubyte.gz", "--data_dir")
     assert not (one_process / "empty" / "out").exists()
 
@@ -146,7 +139,7 @@ def test_a_folder_without_the_data_ends_with_one_line(one_process):
 @requires_mnist_10k
 def test_one_process_trains_exactly_the_plain_model(one_process):
     for name in ("plain", "accelerate"):
-        finished(one_process, name)
+        finished_job(one_process / name)
     plain, accelerated = results(one_process / "plain"), results(one_process / "accelerate")
     assert plain["eval_samples"] == accelerated["eval_samples"] == 2000
     assert accelerated["num_processes"] == plain["num_processes"] == 1

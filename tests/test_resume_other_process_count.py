@@ -20,7 +20,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
 from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launcher_args, make_synthetic_mnist, results, run
 from image_data import make_split_image_folder
-from sample_recorder import job_outcome, jobs_file
+from sample_recorder import finished_job, jobs_file
 
 from utils.errors import UserError
 from utils.run.checkpoints import check_checkpoint
@@ -79,12 +79,8 @@ def run_jobs(jobs: dict, num_processes: int, folder, fails=()) -> None:
 
 
 def finished(folder, name: str, num_processes: int, fails: bool = False) -> subprocess.CompletedProcess:
-    """Job NAME as a finished process: rank 0's exit status (every rank's must agree, 0 unless it `fails`) and every
-    rank's output, in its stderr (each rank's stdout and stderr are one file)."""
-    statuses, outputs = job_outcome(folder / f"{name}.log", num_processes)
-    output = "".join(outputs)
-    assert statuses == [statuses[0]] * num_processes and (statuses[0] != 0) == fails, f"{statuses}\n{output[-6000:]}"
-    return subprocess.CompletedProcess(name, statuses[0], "", output)
+    """Job NAME (its log: NAME.log) as a finished process (sample_recorder.finished_job)."""
+    return finished_job(folder / f"{name}.log", num_processes, fails)
 
 
 def _truncate_optimizer(checkpoint):

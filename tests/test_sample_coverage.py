@@ -24,7 +24,7 @@ import pytest
 import torch
 from helpers import REPO, exit_check_env, launcher_args, results, threads_left_message
 from image_data import make_split_image_folder
-from sample_recorder import job_outcome, jobs_file
+from sample_recorder import finished_job, job_outcome, jobs_file
 
 RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
@@ -326,3 +326,24 @@ def test_job_outcome_reads_every_rank_of_a_forked_job(tmp_path):
         (tmp_path / f"job.log.rank{rank}.exit").write_text(status)
         (tmp_path / f"job.log.rank{rank}.out").write_text(f"rank {rank}\n")
     assert job_outcome(tmp_path / "job.log", 3) == ([0, 1, None], ["rank 0\n", "rank 1\n", ""])
+
+
+def test_finished_job_asserts_every_rank_ended_as_expected(tmp_path):
+    """sample_recorder.finished_job, which the files that launch jobs assert with: every rank ended, all with the same
+    status, non-zero exactly when the job `fails`; every rank's output, rank 0 first."""
+    def job(*statuses):  # a job's files, as run_jobs leaves them; None: a rank killed at its timeout
+        folder = tmp_path / "_".join(map(str, statuses))
+        folder.mkdir(exist_ok=True)
+        for rank, status in enumerate(statuses):
+            if status is not None:
+                (folder / f"job.log.rank{rank}.exit").write_text(str(status))
+            (folder / f"job.log.rank{rank}.out").write_text(f"rank {rank}\n")
+        return folder / "job.log"
+
+    proc = finished_job(job(0, 0), 2)
+    assert (proc.returncode, proc.stderr) == (0, "rank 0\nrank 1\n")
+    assert finished_job(job(1, 1), 2, fails=True).returncode == 1
+    for statuses, fails in (((0, 1), False), ((1, 0), True), ((0, None), False), ((1, None), True), ((1, 1), False),
+                            ((0, 0), True), ((None, None), True)):
+        with pytest.raises(AssertionError, match=r"exited \["):
+            finished_job(job(*statuses), len(statuses), fails=fails)
