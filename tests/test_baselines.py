@@ -78,8 +78,8 @@ def one_process_runs(synthetic_mnist, tmp_path_factory):
 
 @requires_mnist_10k
 def test_plain_reaches_98_percent_like_train_mnist(one_process_runs):
-    finished_job(one_process_runs / "plain")
     out = one_process_runs / "plain"
+    finished_job(out)
     r = results(out)
     assert r["method"] == "plain" and r["num_processes"] == 1 and r["mixed_precision"] == "no"
     assert r["eval_accuracy"] >= 0.98

@@ -26,7 +26,7 @@ from accelerate.utils import merge_fsdp_weights
 from helpers import REPO, launcher_args, load_script, make_synthetic_mnist, results, run, skip_or_fail_in_ci
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
-from sample_recorder import job_outcome, jobs_file
+from sample_recorder import finished_job, jobs_file
 
 from utils.data.mnist import load_mnist_idx, normalise_mnist
 from utils.errors import UserError
@@ -66,12 +66,7 @@ def launch_jobs(jobs: dict, num_processes: int, root, without_fsdp=()) -> dict:
         for name, (script, *args) in jobs.items()])
     launch = run([*launcher_args(config_file=FSDP_CPU), "--num_processes", num_processes, RECORDER, "--jobs", manifest],
                  check=False, timeout=600 * len(jobs))
-    finished = {}
-    for name in jobs:
-        statuses, outputs = job_outcome(root / f"samples_{name}", num_processes)
-        output = "".join(outputs)
-        assert statuses == [0] * num_processes, f"job {name} exited {statuses}:\n{output[-8000:]}"
-        finished[name] = subprocess.CompletedProcess(name, 0, "", output)
+    finished = {name: finished_job(root / f"samples_{name}", num_processes) for name in jobs}
     assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
     return finished
 
