@@ -171,3 +171,12 @@ def test_without_cpu_affinity_the_machines_cpus_count(monkeypatch, cpu_count, wo
     monkeypatch.setattr(flags.os, "cpu_count", lambda: cpu_count)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert flags.default_num_workers() == workers
+
+
+def test_a_script_without_the_optional_flag_groups_passes_the_checks():
+    """The baselines' parser (build_mnist_parser alone) has no --eval_steps, --warmup_steps or --model_ema."""
+    parser = flags.build_mnist_parser("t")
+    args = parser.parse_args(["--eval_only", "--resume_from_checkpoint", "latest", "--metric_for_best", "eval_loss"])
+    flags.check_flag_combinations(parser, args)
+    assert (args.metric_for_best, args.report_to) == ("eval_loss", [])
+    assert not hasattr(args, "model_ema_decay") and not hasattr(args, "warmup_epochs")

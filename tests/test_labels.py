@@ -77,3 +77,11 @@ def test_numbers_of_any_kind_sort_together_and_name_their_classes_by_their_text(
     assert class_names_of(values) == ["-1", "0.5", "True", "2", "10"]
     assert class_names_of(sorted_label_values(("b", "a", "b"), "s")) == ["a", "b"]
     assert sorted_label_values([], "s") == []
+
+
+def test_encode_labels_numbers_each_class_by_its_place_in_the_order_not_by_its_value(capsys):
+    """Integer labels that are not 0..N-1 (a casting of the values alone would keep 10 as 10)."""
+    dataset = datasets.Dataset.from_dict({"label": [10, 2, 7, 10]})
+    encoded = encode_labels(dataset, "label", [2, 7, 10], "s", "train")
+    assert encoded["label"] == [2, 0, 1, 2] and encoded.features["label"].names == ["2", "7", "10"]
+    assert "class ids" in capsys.readouterr().err  # the progress bar says what it does
