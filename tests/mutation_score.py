@@ -52,7 +52,7 @@ def run_mutmut(modules: list, max_children: int) -> dict:
     return dict(re.findall(r"^\s*(\S+__mutmut_\d+): (.+?)\s*$", results, re.MULTILINE))
 
 
-def main() -> int:
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("modules", nargs="*", help="paths such as utils/run/resume.py")
@@ -60,13 +60,18 @@ def main() -> int:
                         help="the covered modules changed since BASE (default main)")
     parser.add_argument("--all", action="store_true", help="every covered module")
     parser.add_argument("--max_children", type=int, default=os.cpu_count(), help="mutants tested at once")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if (bool(args.modules) + bool(args.changed) + args.all) != 1:
         parser.error("name the modules, or pass --changed or --all")
-    modules = covered_modules() if args.all else changed_modules(args.changed) if args.changed else args.modules
-    uncovered = sorted(set(modules) - set(covered_modules()))
+    uncovered = sorted(set(args.modules) - set(covered_modules()))
     if uncovered:
         parser.error(f"not among [tool.mutmut] only_mutate in pyproject.toml: {', '.join(uncovered)}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    modules = covered_modules() if args.all else changed_modules(args.changed) if args.changed else args.modules
     if not modules:
         print("No covered module changed.")
         return 0

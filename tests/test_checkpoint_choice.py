@@ -170,6 +170,7 @@ def test_only_the_main_process_warns(tmp_path, caplog, monkeypatch):
     checkpoints.warn_if_unverifiable(None)
     checkpoints.warn_if_unverifiable(saved(tmp_path, "step_1", 1))
     checkpoints.warn_if_unverifiable(tmp_path)
+    assert {record.name for record in caplog.records} == {"utils.run.checkpoints"}
     assert [(record.levelno, record.getMessage()) for record in caplog.records] == [
         (logging.WARNING, "from rank 0"),
         (logging.WARNING, f"{tmp_path} has no {MANIFEST} (saved by an older version): its files cannot be checked; "
@@ -226,30 +227,148 @@ def test_a_full_disk_found_in_the_errors_context():
         assert not checkpoints.is_disk_full(RuntimeError("while saving"), free=0, needed=1)
 
 
-def test_a_full_disk_ends_the_save_with_one_line_and_no_partial_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoints, "mount_point", lambda path: Path("/mnt/disk"))
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20,
-                                                                                       total=10 * 2**20))
-    saved(tmp_path, "step_1", 1, samples_in_epoch=16)
+@pytest.fixture
+def small_disk(tmp_path, monkeypatch):
+    """tmp_path as the disk mounted at /mnt/disk, 3 MiB free of 10."""
+    def disk_usage(path):
+        assert Path(path) == tmp_path
+        return SimpleNamespace(free=3 * 2**20, total=10 * 2**20)
 
-    def fill_the_disk(folder):
-        write_weights(folder)
-        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoints, "mount_point", lambda path: Path("/mnt/disk") if Path(path) == tmp_path else None)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", disk_usage)
+    return tmp_path
 
+
+def fill_the_disk(folder):
+    write_weights(folder)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_full_disk_ends_the_save_with_one_line_and_no_partial_folder(small_disk):
+    tmp_path = small_disk
+    save_checkpoint(one_process(), tmp_path, "step_1", TrainingProgress(global_step=1, samples_in_epoch=16),
+                    write_into=lambda folder: write_weights(folder, b"w" * (3 * 2**19)))  # 1.5 MiB
+    (tmp_path / "step_0").mkdir()
+    (tmp_path / "step_0" / TRAINING_STATE).write_text("{")  # unreadable: neither the last checkpoint nor a failure
     with pytest.raises(UserError) as refused:
         save_checkpoint(one_process(), tmp_path, "step_2", TrainingProgress(global_step=2), write_into=fill_the_disk)
-    size = checkpoints.folder_size(tmp_path / "step_1")
     assert str(refused.value) == (
         f"the disk mounted at /mnt/disk (holding {tmp_path}) is full: 3.00 MiB free of 10.00 MiB, and saving step_2 "
-        f"needs about {checkpoints.mib(size)}, the size of step_1; its partial folder was removed and the last complete "
-        f"checkpoint is {tmp_path / 'step_1'}; free some space or move --output_dir, then continue with "
-        f"--resume_from_checkpoint latest")
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_1"]
+        f"needs about 1.50 MiB, the size of step_1; its partial folder was removed and the last complete checkpoint is "
+        f"{tmp_path / 'step_1'}; free some space or move --output_dir, then continue with --resume_from_checkpoint "
+        f"latest")
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_0", "step_1"]
     (tmp_path / "step_1" / TRAINING_STATE).unlink()  # no complete checkpoint left: the partial one's size
     with pytest.raises(UserError) as refused:
         save_checkpoint(one_process(), tmp_path, "step_2", TrainingProgress(global_step=2), write_into=fill_the_disk)
     assert "saving step_2 needs over 0.00 MiB; its partial folder was removed and there is no complete checkpoint " \
            "yet; free" in str(refused.value)
+
+
+def test_a_save_that_fails_before_its_folder_exists_is_told_as_well(small_disk):
+    def nothing_written(folder):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(UserError, match="saving step_1 needs over 0.00 MiB"):
+        save_checkpoint(one_process(), small_disk, "step_1", TrainingProgress(), write_into=nothing_written)
+    assert list(small_disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("needed_mib, full", [(4, True), (2, False)])
+def test_torch_saves_iostream_error_is_a_full_disk_when_less_is_free_than_a_checkpoint_needs(small_disk, needed_mib,
+                                                                                             full):
+    """torch.save on a full disk raises only "basic_ios::clear": the space left decides (3 MiB free here)."""
+    save_checkpoint(one_process(), small_disk, "step_1", TrainingProgress(global_step=1, samples_in_epoch=16),
+                    write_into=lambda folder: write_weights(folder, b"w" * (needed_mib * 2**20)))
+
+    def torch_save(folder):
+        folder.mkdir()
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    with pytest.raises(UserError if full else RuntimeError) as failed:
+        save_checkpoint(one_process(), small_disk, "step_2", TrainingProgress(global_step=2), write_into=torch_save)
+    assert ("is full: 3.00 MiB free" in str(failed.value)) is full
+    assert sorted(path.name for path in small_disk.iterdir()) == ["step_1"]
+
+
+def several_processes(monkeypatch, codes, index, main_message=None):
+    """This process, process `index` among len(codes) processes, whose failure codes (0 none, 1 full disk, 2 other)
+    gather_object returns, its own included; broadcast_object_list hands out the main process's message."""
+    is_main_process = index == 0
+
+    def gather_object(objects):
+        assert objects == [codes[index]]
+        return codes
+
+    def broadcast_object_list(objects):
+        assert len(objects) == 1 and (objects[0] is not None) is (is_main_process and 1 in codes)
+        return [objects[0] if is_main_process else main_message]
+
+    monkeypatch.setattr(checkpoints, "gather_object", gather_object)
+    monkeypatch.setattr(checkpoints, "broadcast_object_list", broadcast_object_list)
+    return SimpleNamespace(is_main_process=is_main_process, num_processes=len(codes), wait_for_everyone=lambda: None)
+
+
+@pytest.mark.parametrize("num_processes", [2, 3])
+def test_every_process_learns_that_another_failed_and_which(tmp_path, monkeypatch, num_processes):
+    codes = [0] * (num_processes - 1) + [2]
+    for index in range(num_processes - 1):  # those that did not fail
+        is_main_process = index == 0
+        accelerator = several_processes(monkeypatch, codes, index)
+        (tmp_path / f"{TMP_PREFIX}step_1").mkdir(exist_ok=True)
+        with pytest.raises(UserError) as refused:
+            checkpoints.stop_if_any_failed(accelerator, None, tmp_path, tmp_path / f"{TMP_PREFIX}step_1")
+        assert str(refused.value) == (f"process {num_processes - 1} failed to write checkpoint "
+                                      f"{tmp_path / f'{TMP_PREFIX}step_1'}: see its error above")
+        assert (tmp_path / f"{TMP_PREFIX}step_1").exists() is not is_main_process  # the main process removes it
+    accelerator = several_processes(monkeypatch, [0] * num_processes, 0)
+    checkpoints.stop_if_any_failed(accelerator, None, tmp_path, tmp_path / "none")  # none failed: nothing happens
+
+
+def test_a_full_disk_on_any_process_is_the_main_processes_line_on_every_process(small_disk, monkeypatch):
+    tmp = small_disk / f"{TMP_PREFIX}step_1"
+    tmp.mkdir()
+    accelerator = several_processes(monkeypatch, [0, 1, 0], index=2, main_message="the disk is full")
+    with pytest.raises(UserError, match="^the disk is full$"):
+        checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
+    accelerator = several_processes(monkeypatch, [0, 1, 2], index=0)
+    with pytest.raises(UserError, match=f"^the disk mounted at /mnt/disk .* is full: "):
+        checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
+    assert not tmp.exists()
+    # the process whose own save failed otherwise raises its own error
+    accelerator = several_processes(monkeypatch, [0, 2], index=1)
+    with pytest.raises(KeyError):
+        checkpoints.stop_if_any_failed(accelerator, KeyError("its own"), small_disk, tmp)
+
+
+def test_a_save_through_accelerate_writes_into_the_temporary_folder(tmp_path):
+    written = []
+
+    def save_state(folder):
+        written.append(folder)
+        write_weights(Path(folder))
+
+    final = save_checkpoint(one_process(save_state=save_state), tmp_path, "step_1", TrainingProgress())
+    assert written == [str(tmp_path / f"{TMP_PREFIX}step_1")] and (final / "model.safetensors").is_file()
+
+
+def test_every_file_and_folder_is_fsynced_before_the_rename_files_before_their_folders(tmp_path, monkeypatch):
+    synced = []
+    monkeypatch.setattr(checkpoints, "fsync_path", synced.append)
+    final = saved(tmp_path, "step_1", 1)
+    tmp = tmp_path / f"{TMP_PREFIX}step_1"
+    inside = {tmp / path.relative_to(final) for path in final.rglob("*")}
+    assert set(synced[:len(inside)]) == inside and synced[len(inside):] == [tmp, tmp_path]
+    for path in inside:  # each folder after what it holds
+        assert all(synced.index(child) < synced.index(path) for child in inside if child.parent == path)
+
+
+def test_the_total_limit_leaves_an_unreadable_checkpoint_alone(tmp_path):
+    for step in (1, 2, 3):
+        saved(tmp_path, f"step_{step}", step, samples_in_epoch=16)
+    (tmp_path / "step_1" / TRAINING_STATE).write_text("{")
+    checkpoints.delete_old_checkpoints(tmp_path, total_limit=1)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_1", "step_3"]
 
 
 def test_another_failure_of_the_save_is_raised_as_it_is(tmp_path, monkeypatch):
@@ -300,18 +419,20 @@ def best_run(tmp_path):
         (folder / "model.safetensors").write_text(model.name)
         saves.append(model.name)
 
-    accelerator = one_process(unwrap_model=lambda model, keep_torch_compile: Model(f"unwrapped {model.name}"),
-                              save_model=save_model)
+    # torch.compile's wrapper unwrapped too: its state dict's keys would carry _orig_mod.
+    accelerator = one_process(unwrap_model=lambda model, keep_torch_compile: Model(
+        f"{'compiled' if keep_torch_compile else 'unwrapped'} {model.name}"), save_model=save_model)
     return accelerator, saves
 
 
-@pytest.mark.parametrize("metric, values, bests", [
-    ("eval_loss", [0.5, 0.6, 0.5, 0.4, 0.45], [0.5, 0.5, 0.5, 0.4, 0.4]),  # lower is better; a tie is not better
-    ("eval_accuracy", [0.5, 0.4, 0.5, 0.7, 0.6], [0.5, 0.5, 0.5, 0.7, 0.7]),
-    ("eval_ema_loss", [0.3, 0.2], [0.3, 0.2]),
-    ("eval_ema_accuracy", [0.3, 0.2], [0.3, 0.3]),
+@pytest.mark.parametrize("metric, values, bests, counts", [
+    # lower is better; a tie is not better
+    ("eval_loss", [0.5, 0.6, 0.5, 0.4, 0.45], [0.5, 0.5, 0.5, 0.4, 0.4], [0, 1, 2, 0, 1]),
+    ("eval_accuracy", [0.5, 0.4, 0.5, 0.7, 0.6], [0.5, 0.5, 0.5, 0.7, 0.7], [0, 1, 2, 0, 1]),
+    ("eval_ema_loss", [0.3, 0.2], [0.3, 0.2], [0, 0]),
+    ("eval_ema_accuracy", [0.3, 0.2, 0.1], [0.3, 0.3, 0.3], [0, 1, 2]),
 ])
-def test_best_keeps_the_best_evaluation_and_counts_the_others(tmp_path, caplog, metric, values, bests):
+def test_best_keeps_the_best_evaluation_and_counts_the_others(tmp_path, caplog, metric, values, bests, counts):
     accelerator, saves = best_run(tmp_path)
     progress = TrainingProgress()
     without_improvement = []
@@ -325,7 +446,7 @@ def test_best_keeps_the_best_evaluation_and_counts_the_others(tmp_path, caplog, 
         assert progress.best_metric == bests[step - 1]
     best_step = min(step for step, value in enumerate(values, start=1) if value == bests[-1])
     assert (progress.best_step, progress.best_epoch) == (best_step, best_step // 2)
-    assert without_improvement[-1] == len(values) - best_step
+    assert without_improvement == counts
     weights = "average" if metric.startswith("eval_ema_") else "unwrapped model"
     assert saves == [weights] * len(set(bests))
     assert (tmp_path / BEST / "model.safetensors").read_text() == weights
@@ -340,3 +461,11 @@ def test_without_a_metric_for_best_nothing_is_kept(tmp_path):
     progress = TrainingProgress()
     assert save_if_best(accelerator, Model("m"), progress, {"eval_loss": 0.1}, 0, None, tmp_path) is False
     assert progress == TrainingProgress() and saves == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_best_line_is_the_main_processes_alone(tmp_path, caplog, monkeypatch):
+    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
+    accelerator, saves = best_run(tmp_path)
+    with caplog.at_level("INFO"):
+        assert save_if_best(accelerator, Model("m"), TrainingProgress(), {"eval_loss": 0.1}, 0, "eval_loss", tmp_path)
+    assert saves == ["unwrapped m"] and caplog.records == []

@@ -77,8 +77,13 @@ def accumulation_for(saved_processes, saved_batch, saved_accumulation, num_proce
     return accumulation_keeping(progress, num_processes, batch_size, accumulation)
 
 
-def test_the_accumulation_that_keeps_the_checkpoints_global_batch():
+def test_the_accumulation_that_keeps_the_checkpoints_global_batch(caplog):
     assert accumulation_keeping(None, 3, 24, 5) == 5  # nothing to keep: the flag as given
+    with caplog.at_level("INFO"):
+        kept = accumulation_for(2, 24, 3, 4, 18, 1)
+    assert kept == 2 and type(kept) is int  # Accelerator(gradient_accumulation_steps=...) counts batches
+    assert caplog.records[-1].getMessage().endswith("resuming on 4 processes: --gradient_accumulation_steps 2 keeps "
+                                                    "the checkpoint's global batch of 144 samples")
     assert accumulation_for(2, 24, 3, 2, 24, 3) == 3  # the same run
     assert accumulation_for(2, 24, 3, 2, 24, 1) == 3  # the flag left at its default: the checkpoint's
     assert accumulation_for(2, 24, 3, 4, 18, 3) == 2  # 144 = 4 x 18 x 2
@@ -160,9 +165,12 @@ def test_what_each_resume_from_checkpoint_value_points_at(run_folder):
     assert checkpoint == run_folder / "best" and progress.best_step == 1
     assert resolve_checkpoint("out/step_2", run_folder) == Path("out/step_2")
     assert resolve_checkpoint("latest", "empty") is None  # the first start of a command that always says latest
+    assert resume_point("out/best", run_folder, eval_only=True)[0] == Path("out/best")
+    with pytest.raises(UserError, match="holds the best weights only"):
+        resume_point("out/best", run_folder)  # training, unless said otherwise
 
 
-def test_each_resume_from_checkpoint_that_cannot_work_says_why_and_what_works(run_folder, tmp_path):
+def test_each_resume_from_checkpoint_that_cannot_work_says_why_and_what_works(run_folder, tmp_path, caplog):
     def refusal(*args, **kwargs) -> str:
         with pytest.raises(UserError) as refused:
             resolve_checkpoint(*args, **kwargs)
@@ -185,7 +193,11 @@ def test_each_resume_from_checkpoint_that_cannot_work_says_why_and_what_works(ru
     (run_folder / "step_3" / "optimizer.bin").write_bytes(b"\0" * 64)  # the same size, other bytes
     assert refusal("out/step_3", run_folder) == ("checkpoint out/step_3 is damaged (optimizer.bin differs from its "
                                                  "sha256 when saved); resume from the newest good one, out/step_2")
-    assert resolve_checkpoint("latest", run_folder) == run_folder / "step_2"  # skipped, said so
+    caplog.clear()
+    assert resolve_checkpoint("latest", run_folder) == run_folder / "step_2"
+    assert [record.getMessage() for record in caplog.records] == [
+        "--resume_from_checkpoint latest: skipping damaged checkpoint step_3 (optimizer.bin differs from its sha256 "
+        f"when saved); resuming from {run_folder / 'step_2'}"]
     for name in ("step_2", "best"):
         (run_folder / name / "model.safetensors").unlink()
     assert refusal("out/step_3", run_folder).endswith("; no good checkpoint is left beside it")
@@ -228,8 +240,9 @@ def test_load_checkpoint_restores_the_state_or_the_best_weights_or_says_it_canno
 
     caplog.clear()
     with caplog.at_level("INFO"):
+        resume.load_checkpoint(accelerator, model, None, TrainingProgress(), None, tmp_path / "fresh")
+        assert caplog.records == []  # no --resume_from_checkpoint: nothing to say
         resume.load_checkpoint(accelerator, model, None, TrainingProgress(), "latest", tmp_path / "out")
-        resume.load_checkpoint(accelerator, model, None, TrainingProgress(), None, tmp_path / "out")
     (said,) = [record.getMessage() for record in caplog.records]
     assert said.endswith(f"No checkpoint in {tmp_path / 'out'} yet: starting from scratch")
     assert torch.equal(model.weight, saved["weight"] * 2)  # nothing loaded
@@ -313,3 +326,38 @@ def test_early_stopping_ends_the_epochs_after_patience_evaluations_without_impro
     assert epochs_left(TrainingProgress(), max_steps=8, accelerator=accelerator) == [0, 1]
     assert accelerator.checks == 0
 
+
+
+def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_state_dict(tmp_path, monkeypatch):
+    """What only an FSDP run shows (tests/test_fsdp.py launches one): the model goes to complete_fsdp_model, and best/'s
+    plain weights load as a full state dict, which each process shards; a plain model loads either way."""
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+
+    calls = []
+    monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: calls.append(("complete", model)))
+    real_set = dcp_state_dict.set_model_state_dict
+    monkeypatch.setattr(dcp_state_dict, "set_model_state_dict", lambda model, state, options: (
+        calls.append(("set", options.full_state_dict)), real_set(model, state, options=options))[1])
+    model = torch.nn.Linear(2, 1)
+    accelerator = SimpleNamespace(unwrap_model=lambda wrapped: wrapped)
+    (tmp_path / "best").mkdir()
+    save_file({"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, tmp_path / "best" / "model.safetensors")
+    resume.load_checkpoint(accelerator, model, tmp_path / "best", TrainingProgress(), "best", tmp_path)
+    assert calls == [("complete", model), ("set", True)] and torch.equal(model.weight, torch.ones(1, 2))
+
+
+@pytest.fixture
+def another_process(monkeypatch):
+    """This process as process 1 of several: accelerate's logger says nothing with main_process_only=True."""
+    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
+    assert not PartialState().is_main_process
+
+
+def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_process, caplog, monkeypatch):
+    monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: None)
+    with caplog.at_level("INFO"):
+        resume.load_checkpoint(SimpleNamespace(), None, None, TrainingProgress(), "latest", run_folder)
+        assert accumulation_for(2, 24, 3, 4, 18, 1) == 2
+        progress = TrainingProgress(best_metric=0.5, evaluations_without_improvement=3)
+        assert epochs_left(progress, max_steps=40, patience=2) == []  # stopped early, said by process 0 only
+    assert caplog.records == []
