@@ -3,7 +3,7 @@ a module (a comparison, a constant, a string) and runs the in-process tests that
 bug they would not catch. Run by hand, not by CI:
 
     python tests/mutation_score.py utils/run/resume.py     # one module (or several)
-    python tests/mutation_score.py --changed               # the modules a change touched: git diff main, uncommitted too
+    python tests/mutation_score.py --changed               # those a change touched (git diff main, uncommitted too)
     python tests/mutation_score.py --all                   # every module of [tool.mutmut] only_mutate
 
 It prints one table row per module (| module | mutants | killed | survived | score |) and each survivor's name:

@@ -1,6 +1,6 @@
-"""utils/run/checkpoints.py and utils/run/best.py in process, one process and no launcher: which checkpoint is the newest
-(good) one, what a manifest finds, what a save leaves, how a failed save is told, and when best/ is replaced or counts one
-more evaluation without improvement. Launched: tests/test_checkpoint_integrity.py (a real full disk, two processes),
+"""utils/run/checkpoints.py and utils/run/best.py in process, one process and no launcher: which checkpoint is the
+newest (good) one, what a manifest finds, what a save leaves, how a failed save is told, and when best/ is replaced or
+counts one more evaluation without improvement. Launched: tests/test_checkpoint_integrity.py (a real full disk, two processes),
 test_training_features.py (--metric_for_best, --early_stopping_patience)."""
 
 import dataclasses
@@ -155,9 +155,9 @@ def test_an_unreadable_training_state_with_a_good_manifest_is_named_as_such(tmp_
     state["files"][TRAINING_STATE] = {"size": 2, "sha256": hashlib.sha256(b"{}").hexdigest()}
     (final / MANIFEST).write_text(json.dumps(state))
     assert checkpoints.newest_good_checkpoint(tmp_path, say_skipped=True) is None
-    assert caplog.records[0].getMessage() == ("--resume_from_checkpoint latest: skipping damaged checkpoint step_1 (its "
-                                              "training_state.json is unreadable); resuming from scratch (no good "
-                                              "checkpoint left)")
+    assert caplog.records[0].getMessage() == (
+        "--resume_from_checkpoint latest: skipping damaged checkpoint step_1 (its training_state.json is unreadable); "
+        "resuming from scratch (no good checkpoint left)")
 
 
 def test_only_the_main_process_warns(tmp_path, caplog, monkeypatch):
@@ -328,9 +328,10 @@ def test_every_process_learns_that_another_failed_and_which(tmp_path, monkeypatc
 def test_a_full_disk_on_any_process_is_the_main_processes_line_on_every_process(small_disk, monkeypatch):
     tmp = small_disk / f"{TMP_PREFIX}step_1"
     tmp.mkdir()
-    accelerator = several_processes(monkeypatch, [0, 1, 0], index=2, main_message="the disk is full")
-    with pytest.raises(UserError, match="^the disk is full$"):
-        checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
+    for codes in ([0, 1, 0], [1, 0]):
+        accelerator = several_processes(monkeypatch, codes, index=len(codes) - 1, main_message="the disk is full")
+        with pytest.raises(UserError, match="^the disk is full$"):
+            checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
     accelerator = several_processes(monkeypatch, [0, 1, 2], index=0)
     with pytest.raises(UserError, match=f"^the disk mounted at /mnt/disk .* is full: "):
         checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)

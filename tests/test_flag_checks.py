@@ -149,7 +149,8 @@ def test_the_trackers_get_the_flags_as_scalars_and_strings():
 
 
 @pytest.mark.parametrize("cpus, local_world_size, most, workers", [
-    (16, None, 4, 4), (16, "2", 4, 4), (16, "8", 4, 2), (6, "2", 4, 3), (2, "4", 4, 0), (16, "1", 8, 8), (1, None, 4, 1),
+    (16, None, 4, 4), (16, "2", 4, 4), (16, "8", 4, 2), (6, "2", 4, 3), (2, "4", 4, 0), (16, "1", 8, 8),
+    (1, None, 4, 1),
 ])
 def test_dataloader_workers_share_this_processes_cpus_among_the_machines_processes(monkeypatch, cpus, local_world_size,
                                                                                    most, workers):

@@ -8,11 +8,10 @@ import re
 
 import numpy as np
 import pytest
-import torch
-from accelerate.data_loader import BatchSamplerShard
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
+from test_resume_plan import process_batches
 
 from utils.data.image_modes import WIDE_GREYSCALE_MAX, viewer_rgb
 from utils.data.labels import sorted_label_values
@@ -34,16 +33,6 @@ def accelerate_state():
     PartialState(cpu=True)  # accumulation_keeping logs through accelerate's logger
 
 
-def process_batches(size: int, batch_size: int, num_processes: int) -> list:
-    """Each process's batch sizes in an epoch, as Accelerate's prepared DataLoader makes them: on one process the
-    batches as they are (the last one partial), on more sharded with even_batches (the last round filled)."""
-    batches = torch.utils.data.BatchSampler(range(size), batch_size, drop_last=False)
-    if num_processes == 1:
-        return [[len(batch) for batch in batches]]
-    return [[len(batch) for batch in BatchSamplerShard(batches, num_processes=num_processes, process_index=rank,
-                                                       even_batches=True)] for rank in range(num_processes)]
-
-
 geometry = dict(size=st.integers(1, 700), batch_size=st.integers(1, 40), num_processes=st.integers(1, 5),
                 accumulation=st.integers(1, 4))
 
@@ -56,7 +45,7 @@ def test_a_resume_after_any_step_skips_exactly_the_batches_trained(size, batch_s
     """After any optimizer step of an epoch (the last one too, perhaps after a partial batch or a short accumulation
     cycle), the samples the training loop counted give back the batches each process trained, and samples_seen
     counts them once."""
-    per_process = process_batches(size, batch_size, num_processes)
+    per_process = [[len(batch) for batch in batches] for batches in process_batches(size, batch_size, num_processes)]
     batches_each = len(per_process[0])
     progress = TrainingProgress().with_batch(num_processes, batch_size, accumulation)
     steps = progress.steps_per_epoch(size, batch_size, whole_global_batches=False)

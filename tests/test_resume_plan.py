@@ -80,6 +80,8 @@ def accumulation_for(saved_processes, saved_batch, saved_accumulation, num_proce
 def test_the_accumulation_that_keeps_the_checkpoints_global_batch(caplog):
     assert accumulation_keeping(None, 3, 24, 5) == 5  # nothing to keep: the flag as given
     with caplog.at_level("INFO"):
+        assert accumulation_for(2, 24, 3, 2, 24, 3) == 3
+        assert caplog.records == []  # kept as given: nothing to say
         kept = accumulation_for(2, 24, 3, 4, 18, 1)
     assert kept == 2 and type(kept) is int  # Accelerator(gradient_accumulation_steps=...) counts batches
     assert caplog.records[-1].getMessage().endswith("resuming on 4 processes: --gradient_accumulation_steps 2 keeps "
@@ -214,8 +216,8 @@ def test_a_checkpoint_without_a_manifest_still_loads_with_a_warning(run_folder, 
 
 
 def test_load_checkpoint_restores_the_state_or_the_best_weights_or_says_it_cannot(tmp_path, caplog):
-    """A real Accelerator on the CPU, one process: save_state's folder restores weights and optimizer; best/ (the weights
-    alone) restores the weights; a folder of another model: one line."""
+    """A real Accelerator on the CPU, one process: save_state's folder restores weights and optimizer; best/ (the
+    weights alone) restores the weights; a folder of another model: one line."""
     accelerator = Accelerator(cpu=True)
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -357,6 +359,8 @@ def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_proce
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: None)
     with caplog.at_level("INFO"):
         resume.load_checkpoint(SimpleNamespace(), None, None, TrainingProgress(), "latest", run_folder)
+        resume.load_checkpoint(SimpleNamespace(load_state=lambda folder: None), None, run_folder / "step_2",
+                               TrainingProgress(), "latest", run_folder)
         assert accumulation_for(2, 24, 3, 4, 18, 1) == 2
         progress = TrainingProgress(best_metric=0.5, evaluations_without_improvement=3)
         assert epochs_left(progress, max_steps=40, patience=2) == []  # stopped early, said by process 0 only

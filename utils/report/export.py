@@ -73,8 +73,8 @@ def check_against_pytorch(expected: np.ndarray, whole: np.ndarray, one_by_one: n
     difference = float(np.abs(np.stack([whole, one_by_one]) - expected).max())
     if np.isnan(expected).any():
         raise UserError(f"PyTorch's own logits are nan on {int(np.isnan(expected).any(axis=1).sum())} of "
-                        f"{len(expected)} real inputs (nan in the weights?); not written: export a model whose predictions are "
-                        f"numbers")
+                        f"{len(expected)} real inputs (nan in the weights?); not written: export a model whose predictions "
+                        f"are numbers")
     if not difference <= ONNX_TOLERANCE:  # also nan
         raise UserError(f"the ONNX model's logits differ from PyTorch's by {difference:.2e} on {len(expected)} real "
                         f"inputs (more than {ONNX_TOLERANCE}); not written. Report it with your torch and "
