@@ -4,6 +4,7 @@ left). The launched resumes (tests/test_resume_other_process_count.py, test_trai
 try the inputs no launch does: an epoch that ends in a partial batch, OUTPUT_DIR/best spelled as a path.
 Hypothesis tries the arithmetic over all sizes: tests/test_properties.py."""
 
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -144,11 +145,15 @@ def run_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spelling", ["out/best", "out/best/", "./out/best", "out/./best", "out/step_2/../best",
-                                      "{absolute}/best", "elsewhere"])
+                                      "{absolute}/best", "elsewhere", "linked/best"])
 def test_the_best_folder_by_any_path_is_refused_for_training_and_evaluated_with_eval_only(run_folder, spelling):
     """Issue 43: only the flag's literal 'best' was refused (by the flag checks), so a path to OUTPUT_DIR/best
-    continued training from the best weights with a fresh optimizer. 'elsewhere': a link to it under another name."""
+    continued training from the best weights with a fresh optimizer. 'elsewhere': a link to it under another name;
+    'linked/best': a link named best to a copy of it."""
     Path("elsewhere").symlink_to(run_folder / "best")
+    shutil.copytree(run_folder / "best", "best_copy")
+    Path("linked").mkdir()
+    Path("linked/best").symlink_to(Path("best_copy").resolve())
     path = spelling.format(absolute=run_folder)
     with pytest.raises(UserError) as refused:
         resolve_checkpoint(path, run_folder)

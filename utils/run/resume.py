@@ -120,8 +120,8 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
 
 def weights_only(checkpoint) -> bool:
     """Whether `checkpoint` is a --metric_for_best folder (the weights alone), however its path is spelled: relative or
-    absolute, with `.` or `..` in it, or a link to it under another name."""
-    return Path(checkpoint).resolve().name == BEST
+    absolute, with `.` or `..` in it, a link to it under another name, or a link named best to a copy of it."""
+    return BEST in (Path(checkpoint).name, Path(checkpoint).resolve().name)
 
 
 def accumulation_keeping(progress, num_processes: int, batch_size: int, accumulation: int) -> int:
