@@ -81,6 +81,7 @@ def test_inside_an_epoch_any_geometry_that_keeps_the_global_batch_skips_the_same
 @FAST
 @given(old=st.tuples(st.integers(1, 8), st.integers(1, 64), st.integers(1, 8)),
        new_processes=st.integers(1, 16), new_batch_size=st.integers(1, 128), accumulation=st.integers(1, 8))
+@example(old=(1, 48, 3), new_processes=9, new_batch_size=15, accumulation=1)  # 15 + 1 divides the 16 per process
 def test_the_global_batch_is_kept_on_any_process_count_or_a_way_to_keep_it_is_named(old, new_processes, new_batch_size,
                                                                                    accumulation):
     target = old[0] * old[1] * old[2]

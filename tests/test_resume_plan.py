@@ -105,6 +105,9 @@ def test_the_accumulation_that_keeps_the_checkpoints_global_batch(caplog):
     # 16 per process: batch 8 x 2 is the largest under --batch_size 10
     ((1, 48, 3), (9, 10, 1), "the checkpoint's global batch is 144 samples (1 processes); on 9 processes --batch_size "
                              "10 cannot keep it: use --batch_size 8 --gradient_accumulation_steps 2"),
+    # 16 per process: --batch_size 15 is one short of 16, so the largest that fits under it is 8
+    ((1, 48, 3), (9, 15, 1), "the checkpoint's global batch is 144 samples (1 processes); on 9 processes --batch_size "
+                             "15 cannot keep it: use --batch_size 8 --gradient_accumulation_steps 2"),
     ((1, 7, 1), (1, 5, 1), "the checkpoint's global batch is 7 samples (1 processes); on 1 processes --batch_size 5 "
                            "cannot keep it: use --batch_size 1 --gradient_accumulation_steps 7"),
 ])
