@@ -65,9 +65,18 @@ def test_the_readme_is_a_front_page_that_links_every_page():
     for heading in ("## Quickstart", "## The minimal pair", "## The complete scripts", "## Choosing a topology",
                     "## Capabilities"):
         assert f"\n{heading}\n" in README, heading
-    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", README))
-    unlinked = [page for page in DOCUMENTS[1:] if page.count("/") == 1 and page not in linked]
-    assert not unlinked, f"link these pages from the README: {unlinked}"
+    assert "](docs/README.md)" in README, "the README links the documentation's front door"
+
+
+def test_the_documentations_front_door_links_every_page_in_its_reading_order():
+    front = text_of("docs/README.md")
+    sections = re.findall(r"^## (.*)$", front, flags=re.M)
+    assert [title.split(" ", 1)[0] for title in sections] == ["1.", "2.", "3.", "4."], sections  # the reading order
+    assert sections[0].endswith("Start here") and sections[1].startswith("2. By where you come from")
+    linked = {(REPO / "docs" / target).resolve() for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", front)}
+    unlinked = [page for page in DOCUMENTS[1:] if page.count("/") == 1 and page != "docs/README.md"
+                and (REPO / page).resolve() not in linked]
+    assert not unlinked, f"link these pages from docs/README.md: {unlinked}"
 
 
 def test_the_readme_says_the_complete_scripts_are_copied_with_utils():
