@@ -400,6 +400,34 @@ def test_the_process_count_check_stops_a_launch_without_multi_gpu(case_ran):
     assert not ran.succeeded and ran.stderr[0].count(error) == 1, ran.stderr
 
 
+# What `accelerate launch --mixed_precision fp16` sets for the script (this batch is launched with --mixed_precision no)
+FP16 = 'import os\nos.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"\n'
+CASES["fp16_on_the_cpu"] = Case("runnable: accelerate launch 2", FP16 + PROCESS_COUNT_CHECKS)
+
+
+def without_the_fp16_check(code: str) -> str:
+    check_start = code.index('if accelerator.mixed_precision == "fp16"')
+    check_end = code.index("\n", code.index("sys.exit(", check_start)) + 1
+    return code[:check_start] + "print(f'mixed precision {accelerator.mixed_precision}, native_amp {accelerator.native_amp}')\n" + \
+        code[check_end:]
+
+
+CASES["fp16_on_the_cpu_unchecked"] = Case("runnable: accelerate launch 2", FP16 + without_the_fp16_check(PROCESS_COUNT_CHECKS))
+
+
+def test_the_fp16_check_stops_a_cpu_run_that_would_train_in_fp32(case_ran):
+    """The guide's third check: fp16 asked for on CPU processes. Without it the run ends with exit status 0, fp16 named
+    but no autocast (native_amp False: fp32); with it, each process stops with one line."""
+    unchecked = CASES["fp16_on_the_cpu_unchecked"].code
+    assert 'if accelerator.mixed_precision == "fp16"' not in unchecked and "native_amp" in unchecked
+    ran = case_ran("fp16_on_the_cpu_unchecked")
+    assert ran.succeeded and not ran.threads_left, ran.output
+    assert all("mixed precision fp16, native_amp False" in stdout for stdout in ran.stdout), ran.stdout
+    ran = case_ran("fp16_on_the_cpu")
+    error = "error: fp16 mixed precision needs a GPU (on the CPU it would run in fp32); use bf16 or no"
+    assert not ran.succeeded and "".join(ran.stderr).count(error) == 2, ran.stderr
+    assert not any('File "' + ran.script in stderr for stderr in ran.stderr)  # sys.exit: no traceback through it
+
 LOCAL_RANK_SNIPPET = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
 _start, _parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
 # the snippet's parser without its torch and accelerate imports
