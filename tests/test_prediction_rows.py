@@ -80,25 +80,27 @@ def test_an_unreadable_input_is_a_blank_flagged_or_stops_the_run():
 
 
 def test_each_row_has_its_inputs_top_k_its_label_and_its_error_and_the_counts_are_of_the_readable_labelled():
-    """Top 2 of 3 classes for 4 inputs gathered by 2 processes, one padding position: input 1 unreadable (its row
-    empty but for its error), input 3 without a label (its predictions, counted neither labelled nor correct)."""
-    inputs = Inputs(SomeUnreadable(4, bad={1}, labels=[0, 1, 2, -1]), torch.zeros(1), ["cat", "dog", "eel"],
-                    lambda i: f"img{i}.png", "4 inputs")
-    batches = WholeBatches(inputs.dataset, 5, inputs.blank, stop_on_error=False)
-    positions = torch.tensor([4, 3, 1, 0, 2])  # 4: padding (a copy of input 0)
-    unreadable = torch.tensor([0, 0, 1, 0, 0])
-    labels = torch.tensor([0, -1, -1, 0, 2])
-    classes = torch.tensor([[1, 0], [2, 1], [0, 0], [0, 2], [1, 2]])
-    probabilities = torch.tensor([[0.9, 0.1], [0.5, 0.25], [0.0, 0.0], [0.7, 0.2], [0.6000004, 0.3999996]])
+    """Top 2 of 3 classes for 5 inputs in batches of 3 gathered by 2 processes, one padding position: inputs 1 and 4
+    unreadable (their rows empty but for their error), input 3 without a label (its predictions, counted neither
+    labelled nor correct). Lines end in a newline alone (csv's default is \\r\\n)."""
+    inputs = Inputs(SomeUnreadable(5, bad={1, 4}, labels=[0, 1, 2, -1, 0]), torch.zeros(1), ["cat", "dog", "eel"],
+                    lambda i: f"img{i}.png", "5 inputs")
+    batches = WholeBatches(inputs.dataset, 3, inputs.blank, stop_on_error=False)
+    positions = torch.tensor([5, 3, 1, 0, 2, 4])  # 5: padding (a copy of input 0)
+    unreadable = torch.tensor([0, 0, 1, 0, 0, 1])
+    labels = torch.tensor([0, -1, -1, 0, 2, -1])
+    classes = torch.tensor([[1, 0], [2, 1], [0, 0], [0, 2], [1, 2], [0, 0]])
+    probabilities = torch.tensor([[0.9, 0.1], [0.5, 0.25], [0.0, 0.0], [0.7, 0.2], [0.6000004, 0.3999996], [0, 0]])
     columns = tuple([column[:3], column[3:]] for column in (positions, unreadable, labels, classes, probabilities))
     text, counts = predictions_csv(columns, inputs, batches, ["cat", "dog", "eel"], top_k=2)
-    assert text.splitlines() == [
+    assert text == "".join(f"{line}\n" for line in [
         "index,source,label,class_1,probability_1,class_2,probability_2,error",
         "0,img0.png,cat,cat,0.700000,eel,0.200000,",
         "1,img1.png,,,,,,input 1 is unreadable",
         "2,img2.png,eel,dog,0.600000,eel,0.400000,",
-        "3,img3.png,,eel,0.500000,dog,0.250000,"]
-    assert counts == {"labelled": 2, "correct": 1, "unreadable": 1}
+        "3,img3.png,,eel,0.500000,dog,0.250000,",
+        "4,img4.png,,,,,,input 4 is unreadable"])
+    assert counts == {"labelled": 2, "correct": 1, "unreadable": 2}
 
 
 def test_the_rows_must_be_each_input_once():

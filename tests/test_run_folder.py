@@ -189,10 +189,11 @@ def test_each_file_of_a_run_alone_is_held_and_nothing_else_is(tmp_path):
 def test_this_runs_unfinished_checkpoints_are_continued_only_with_latest(tmp_path):
     out = tmp_path / "out"
     folder = RunFolder(out, RUN, epochs=2)
-    trained(folder, finished=False, global_step=2)
+    record = trained(folder, finished=False, global_step=2)
+    checkpoint(out, "step_1", record, global_step=1)
     assert refused(folder) == (
-        f"--output_dir {out} already holds this run's checkpoints (step_2); continue it with --resume_from_checkpoint "
-        f"latest, or pass --overwrite_output_dir to delete them and start afresh")
+        f"--output_dir {out} already holds this run's checkpoints (step_1, step_2); continue it with "
+        f"--resume_from_checkpoint latest, or pass --overwrite_output_dir to delete them and start afresh")
     check_output_dir(folder, out / "step_2", "latest")
     # a restart with 'latest' before the first good checkpoint (the checkpoint damaged: none to resume from)
     check_output_dir(folder, None, "latest")
@@ -366,6 +367,20 @@ def test_results_of_another_run_or_without_a_record_are_not_this_runs_end(tmp_pa
         assert said_nothing_left(caplog, folder, TrainingProgress()) is None, results
     write_json(out / "results.json", {"run": {**run_json(folder, num_processes=4)}, "global_step": 4})
     assert said_nothing_left(caplog, folder, TrainingProgress()) is not None  # on another process count: the same run
+
+
+def test_what_is_said_is_said_by_the_main_process_only(tmp_path, caplog, monkeypatch):
+    """Every process decides the same; only the main process says so (once per run, not once per process)."""
+    from accelerate import PartialState
+
+    out = tmp_path / "out"
+    folder = RunFolder(out, RUN, epochs=1)
+    trained(folder, epoch=1, global_step=4)
+    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
+    with caplog.at_level(logging.INFO, logger="utils.run.run_folder"):
+        assert nothing_left_to_train(folder, TrainingProgress(), None, "eval_accuracy")
+        start_output_dir(RunFolder(out, RUN, epochs=1, overwrite=True), TrainingProgress(), 16, 1)
+    assert caplog.records == [] and not (out / "results.json").exists()
 
 
 # one_training_at_a_time: the lock, and the folder it made

@@ -109,6 +109,8 @@ def test_another_script_or_launch_config_is_another_command(tmp_path):
     other_script = {**now, "script": "/elsewhere/train.py"}
     assert not same_command(other_script, now) and not same_command({**now, "config_file": None}, now)
     assert same_command(json.loads(json.dumps(now)), now) and not same_command({}, command())
+    no_args = {"script": str(SCRIPT), "config_file": None}  # a record without arguments: none
+    assert same_command(no_args, command()) and differences(no_args, command("--cpu")) == "`nothing` then, `--cpu` now"
     assert differences(other_script, now) == f"script /elsewhere/train.py then, {SCRIPT} now"
     assert differences({**other_script, "config_file": None, "args": []}, now) == (
         f"`nothing` then, `--epochs 1` now; script /elsewhere/train.py then, {SCRIPT} now; --config_file None then, "
@@ -120,8 +122,8 @@ def test_another_script_or_launch_config_is_another_command(tmp_path):
 
 def test_option_groups_are_each_flag_with_its_values():
     assert option_groups([]) == {}
-    assert option_groups(["value", "--a", "1", "2", "-b", "--c=3", "-5", "--d", "--a", "1", "2"]) == {
-        "value": 1, "--a 1 2": 2, "-b": 1, "--c=3 -5": 1, "--d": 1}
+    assert option_groups(["value", "--a", "1", "2", "-b", "--c=3", "-5", "--d", "--a", "1", "2", "-W", "x", "--Z"]) == {
+        "value": 1, "--a 1 2": 2, "-b": 1, "--c=3 -5": 1, "--d": 1, "-W x": 1, "--Z": 1}
 
 
 def test_the_record_is_replaced_whole_and_read_back(tmp_path):
@@ -130,7 +132,9 @@ def test_the_record_is_replaced_whole_and_read_back(tmp_path):
     record_trial(tmp_path, now, None)
     assert read_record(tmp_path) == {"command": now, "exit_code": None}
     record_trial(tmp_path, now, 0)
-    assert json.loads((tmp_path / "sweep_trial.json").read_text()) == {"command": now, "exit_code": 0}
+    text = (tmp_path / "sweep_trial.json").read_text()
+    assert json.loads(text) == {"command": now, "exit_code": 0}
+    assert text.startswith('{\n  "command": {\n    "script": ') and text.endswith('\n  "exit_code": 0\n}\n')  # for a person
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sweep_trial.json"]  # no temporary file left
 
 
@@ -142,24 +146,28 @@ def test_grid_names_are_the_scripts_flags_spelled_out(tmp_path):
             ("bs", "did you mean --grid batch_size=...?"),
             ("epoch", "did you mean --grid epochs=...?"),
             ("seeds", "did you mean --grid seed=...?"),
-            ("zzz", "see `python train.py --help`")):
+            ("zzz", "see `python train.py --help`"),
+            ("weigth", "did you mean --grid weight_d=... or --grid weight_c=... or --grid weight_b=...?")):  # 3 at most
         with pytest.raises(UserError) as error:
-            check_grid_flags({"seed": ["1"], name: ["1"]}, flags, "train.py")
+            check_grid_flags({"seed": ["1"], name: ["1"]}, flags | {"--weight_a", "--weight_b", "--weight_c",
+                                                                   "--weight_d"}, "train.py")
         assert str(error.value) == f"--grid {name}: train.py has no flag --{name} (a grid names a flag in full); {hint}"
 
 
 def test_the_scripts_flags_are_read_from_its_help(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(
-        "import argparse\n"
+        "import argparse, sys\n"
         "parser = argparse.ArgumentParser()\n"
         "parser.add_argument('--learning_rate', '--lr', type=float, help='the peak learning rate, as in the\\n'\n"
         "                    'examples --not_a_flag' + ' x' * 60)\n"
         "parser.add_argument('-s', '--seed', type=int)\n"
         "parser.add_argument('--very_long_option_name_that_pushes_help_down', help='--neither')\n"
         "parser.add_argument('--with-dashes', action='store_true')\n"
+        "parser.add_argument('--caf', help='caf\\xe9 in Latin-1')\n"
+        "sys.stdout.reconfigure(encoding='latin-1')  # help text that is not UTF-8: read all the same\n"
         "parser.parse_args()\n")
-    assert script_flags(script) == {"--help", "--learning_rate", "--lr", "--seed",
+    assert script_flags(script) == {"--help", "--learning_rate", "--lr", "--seed", "--caf",
                                     "--very_long_option_name_that_pushes_help_down", "--with-dashes"}
     (tmp_path / "broken.py").write_text("raise SystemExit(3)\n")
     with pytest.raises(UserError) as error:
