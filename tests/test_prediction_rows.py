@@ -1,7 +1,7 @@
-"""The predictions file's rows (utils/report/prediction_rows.py), in this process: the inputs padded to whole batches,
-the gathered columns back in input order, one row per input, unreadable inputs as rows of their own. (tests/test_predict.py
-runs scripts/predict.py on 1, 2 and 3 processes through the same code; these take milliseconds, so that the mutation run
-of docs/testing.md, "Mutation testing", can run them for every mutant.)"""
+"""The predictions file's rows (utils/report/prediction_rows.py), in this process: the inputs padded to whole
+batches, the gathered columns back in input order, one row per input, unreadable inputs as rows of their own.
+(tests/test_predict.py runs scripts/predict.py on 1, 2 and 3 processes through the same code; these take milliseconds,
+so that the mutation run of docs/testing.md, "Mutation testing", can run them for every mutant.)"""
 
 import pytest
 import torch

@@ -1,7 +1,7 @@
-"""The run-folder decisions of utils/run/run_folder.py, asked in this process on folders written here: which --output_dir
-a command may train into, when it has nothing left to train, what --overwrite_output_dir deletes, and the lock's
-folder. (tests/test_run_records.py launches the scripts through the same decisions; these take milliseconds each, so
-that the mutation run of docs/testing.md, "Mutation testing", can run them for every mutant.)"""
+"""The run-folder decisions of utils/run/run_folder.py, asked in this process on folders written here: which
+--output_dir a command may train into, when it has nothing left to train, what --overwrite_output_dir deletes, and the
+lock's folder. (tests/test_run_records.py launches the scripts through the same decisions; these take milliseconds
+each, so that the mutation run of docs/testing.md, "Mutation testing", can run them for every mutant.)"""
 
 import json
 import logging

@@ -134,7 +134,8 @@ def test_the_record_is_replaced_whole_and_read_back(tmp_path):
     record_trial(tmp_path, now, 0)
     text = (tmp_path / "sweep_trial.json").read_text()
     assert json.loads(text) == {"command": now, "exit_code": 0}
-    assert text.startswith('{\n  "command": {\n    "script": ') and text.endswith('\n  "exit_code": 0\n}\n')  # for a person
+    # indented, for a person to read
+    assert text.startswith('{\n  "command": {\n    "script": ') and text.endswith('\n  "exit_code": 0\n}\n')
     assert sorted(path.name for path in tmp_path.iterdir()) == ["sweep_trial.json"]  # no temporary file left
 
 
@@ -172,8 +173,8 @@ def test_the_scripts_flags_are_read_from_its_help(tmp_path):
     (tmp_path / "broken.py").write_text("raise SystemExit(3)\n")
     with pytest.raises(UserError) as error:
         script_flags(tmp_path / "broken.py")
-    assert str(error.value) == (f"`python {tmp_path / 'broken.py'} --help` listed no flags (exit 3); the sweep reads the "
-                                f"script's flags from it: give an argparse script that runs on its own")
+    assert str(error.value) == (f"`python {tmp_path / 'broken.py'} --help` listed no flags (exit 3); the sweep reads "
+                                f"the script's flags from it: give an argparse script that runs on its own")
     (tmp_path / "no_flags.py").write_text("print('usage: no_flags')\n")
     with pytest.raises(UserError, match=r"listed no flags \(exit 0\)"):
         script_flags(tmp_path / "no_flags.py")

@@ -1,6 +1,6 @@
-"""The predictions file's rows (scripts/predict.py): the inputs padded to whole batches, so that every input is predicted
-beside the same inputs on any number of processes, and the gathered predictions written back one row per input, in
-input order, whatever order the processes gathered them in."""
+"""The predictions file's rows (scripts/predict.py): the inputs padded to whole batches, so that every input is
+predicted beside the same inputs on any number of processes, and the gathered predictions written back one row per
+input, in input order, whatever order the processes gathered them in."""
 
 import csv
 import io
