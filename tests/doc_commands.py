@@ -2,6 +2,7 @@
 against the files and --help texts they name, so the docs cannot rot."""
 
 import contextlib
+import fnmatch
 import importlib.util
 import io
 import re
@@ -9,6 +10,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -162,6 +164,12 @@ def check_command(command: str, help_of):
     elif program == "bash" and REPO_PATH.match(words[1]) and words[1].endswith(".sh"):  # bash SCRIPT.sh [--option]
         for option in (w for w in words[2:] if w.startswith("--")):
             assert option in (REPO / words[1]).read_text(), f"{words[1]} takes no {option}: {command}"
+    elif program == "mutmut":  # the mutation run (docs/testing.md): its subcommand, and mutants of configured modules
+        assert words[1] in ("run", "results", "show"), command
+        mutated = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]["only_mutate"]
+        modules = [path.removesuffix(".py").replace("/", ".") for path in mutated]
+        for pattern in (w for w in words[2:] if not w.startswith("-")):
+            assert any(fnmatch.fnmatch(f"{module}.x_function__mutmut_1", pattern) for module in modules), command
     elif program in ("horovodrun", "ss"):
         pass  # Horovod is not installed (the "before" side); ss is iproute2's
     else:
