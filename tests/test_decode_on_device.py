@@ -158,6 +158,32 @@ def test_the_device_path_gives_the_cpu_paths_pixels(recipe, photos, full_size_de
     assert per_image.max() < 1.5, per_image
 
 
+def test_the_batches_come_through_a_prepared_loader_and_its_worker_as_the_cpu_paths(photos, full_size_decodes):
+    """Through a DataLoader worker and Accelerate's prepared loader, as the script builds them: the bytes and boxes stay
+    on the CPU, the labels come as the CPU path's, in the same shuffled order, and decoding_first (torchvision's
+    decode_jpeg on the run's device, here the CPU) gives the model's input from the CPU path's pixels."""
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+    from torch.utils.data import DataLoader
+
+    from utils.data.device_decoding import decoding_first
+    from utils.data.device_input import normalise_on_device
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    transform = train_transform(96, "imagenet", hflip=True)
+    loaders = [accelerator.prepare(DataLoader(images(photos, transform, "image", "label", seed=2), batch_size=4,
+                                              shuffle=True, drop_last=True, num_workers=1, collate_fn=collate))
+               for images, collate in ((TransformedImages, collate_images), (EncodedImages, collate_encoded))]
+    model_input = decoding_first(normalise_on_device, accelerator.device, 96)
+    batches = 0
+    for (expected, expected_labels), (batch, labels) in zip(*loaders, strict=True):
+        assert all(isinstance(data, bytes) for data in batch["jpegs"]) and labels.tolist() == expected_labels.tolist()
+        difference = (model_input(batch) - normalise_on_device(expected)).abs() * 0.226 * 255  # in levels
+        assert difference.mean(dim=(1, 2, 3)).max() < 1.5
+        batches += 1
+    assert batches == len(photos) // 4
+
+
 def test_a_batch_of_every_kind_of_file_keeps_its_order(full_size_decodes):
     """Mixed sizes, a greyscale JPEG (nvJPEG decodes it to RGB), a CMYK JPEG, a PNG and a photo tagged as rotated
     (decoded and transformed in the worker, as without the flag) in one batch: each image where the CPU path puts it,
@@ -238,3 +264,28 @@ def test_the_recipes_it_serves():
     assert not train_transform(32, "small").decodes_on_device
     with pytest.raises(UserError, match="--decode_on_device does a crop"):
         EncodedImages(image_set([jpeg(photo(64, 64, 0))]), train_transform(32, "small"), "image", "label")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
+def test_nvjpeg_gives_the_cpu_paths_pixels_on_a_gpu(record_property, full_size_decodes):
+    """nvJPEG itself, in one batched call, on the mixed batch: each image within 1.5 levels of the CPU path's on
+    average (its decoder rounds as no CPU stand-in here need), the greyscale JPEG as 3 equal channels, the rest in
+    place; the largest per-image mean goes to the GPU check's report."""
+    colour = [jpeg(photo(h, w, seed=30 + k)) for k, (h, w) in enumerate(PHOTO_SIZES)]
+    files = [*colour[:3], jpeg(photo(400, 300, 40), "L"), png(photo(200, 260, 41)), *colour[3:]]
+    data = image_set(files)
+    transform = train_transform(224, "imagenet", hflip=True)
+    cpu_path, device_path = TransformedImages(data, transform, "image", "label", seed=5), \
+        EncodedImages(data, transform, "image", "label", seed=5)
+    indices = list(range(len(files)))
+    batch, labels = collate_encoded([device_path[i] for i in indices])
+    images = decode_batch(batch, 224, torch.device("cuda"), nvjpeg_decoder(torch.device("cuda"))).cpu()
+    expected = cpu_path_batch(cpu_path, indices).int()
+    per_image = (images.int() - expected).abs().float().mean(dim=(1, 2, 3))
+    record_property("nvjpeg_mean_level_difference_max", round(per_image.max().item(), 3))
+    record_property("nvjpeg_mean_level_difference", round(per_image.mean().item(), 3))
+    assert batch["jpeg_at"] == [0, 1, 2, 3, 5, 6, 7] and labels.tolist() == indices
+    assert per_image.max() < 1.5, per_image
+    assert torch.equal(images[3][0], images[3][1]) and torch.equal(images[3][1], images[3][2])
+    assert torch.equal(images[4].int(), expected[4])
