@@ -2,12 +2,16 @@
 what is missing when something is not; the step timer and the numbers made of it, on a CPU run."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 
+import numpy as np
 import pytest
+import torch
 from helpers import REPO, launcher_args, make_synthetic_mnist, results, run
 
 sys.path.insert(0, str(REPO / "tests" / "gpu"))
@@ -107,6 +111,56 @@ def test_step_numbers_are_the_steady_steps_wait_over_their_wall_time():
     assert numbers["data_wait_share_overall"] == 0.25
     steady = [50.0 + t for t in ends[check.WARMUP_STEPS:-1]]  # samples from the warm-up's end to the last step
     assert numbers["gpu_utilisation_pct_mean"] == sum(steady) / len(steady)
+
+
+def test_cpu_cores_busy_are_the_steady_windows_busy_time_over_its_wall_time():
+    """A step that kept 3 cores busy in its steady steps and none before: 3 cores, 3 per 256 images/s there."""
+    ends = [float(i) for i in range(check.WARMUP_STEPS + 5)]
+    cpu = [(t, 100.0 + (3.0 * (t - ends[check.WARMUP_STEPS]) if t >= ends[check.WARMUP_STEPS] else 0.0))
+           for t in np.arange(0.0, ends[-1] + 0.05, 0.1)]  # (time, busy CPU seconds since boot)
+    numbers = check.step_numbers({}, {"step_ends": ends, "wait_s": [0.0] * len(ends)}, [], 256, cpu)
+    assert numbers["cpu_cores_busy_mean"] == pytest.approx(3.0)
+    assert numbers["cpu_cores_per_1000_images_per_s"] == pytest.approx(3000 / 256)
+    assert numbers["images_per_s"] is None and numbers["steady_s"] == 4.0  # no results.json: a step stopped in time
+
+
+def test_cpu_sampler_reads_the_machines_busy_time():
+    with check.CpuSampler() as cpu:
+        began = time.process_time()
+        while time.process_time() - began < 0.4:  # this process alone keeps a core busy
+            pass
+    (t0, busy0), (t1, busy1) = cpu.samples[0], cpu.samples[-1]
+    assert len(cpu.samples) >= 3 and busy1 - busy0 >= 0.25 and busy1 - busy0 <= (t1 - t0) * (os.cpu_count() + 0.5)
+
+
+def test_a_plain_run_takes_the_steps_that_always_run_then_those_that_fit_and_on_request_steps_when_asked():
+    steps = check.plan(REPO)
+    default = [s.name for s in check.steps_to_run(steps)]
+    assert default[0] == "environment" and "pytest_gpu" not in default and "resnet50_jpeg" not in default
+    assert [s.name for s in steps if s.when == check.ALWAYS] == default[:6]
+    assert {"resnet50_jpeg_compile_w4", "resnet50_jpeg_compile_w8", "resnet50_jpeg_compile_w16",
+            "resnet50_decode_on_device_compile_w4", "resnet50_synthetic_compile"} <= set(default[:6])
+    assert [s.name for s in check.steps_to_run(steps, ["pytest_gpu"])] == ["environment", "pytest_gpu"]
+    tf32 = next(s for s in steps if s.name == "resnet50_synthetic_compile_tf32")
+    assert tf32.when == check.IF_TIME and not check.time_for(tf32, tf32.timeout_s - 1)
+    assert check.time_for(tf32, tf32.timeout_s) and check.time_for(tf32, 20, only=[tf32.name])
+    always = steps[1]
+    assert check.time_for(always, 15) and not check.time_for(always, 14)
+
+
+@requires_shared_data
+def test_the_repeated_digits_are_mnist_10ks_in_order(tmp_path):
+    from utils.data.mnist import load_mnist_idx
+
+    check.repeated_digits(SHARED_DATA / "mnist-10k", tmp_path / "mnist-60k", 60000)
+    source, repeated = load_mnist_idx(SHARED_DATA / "mnist-10k"), load_mnist_idx(tmp_path / "mnist-60k")
+    images, labels = repeated["train"]
+    assert images.shape == (60000, 28, 28) and labels.shape == (60000,)
+    for start in (0, 8000, 56000):  # 7 whole copies, then the first half again
+        count = min(8000, 60000 - start)
+        assert torch.equal(images[start:start + count], source["train"][0][:count])
+        assert torch.equal(labels[start:start + count], source["train"][1][:count])
+    assert all(torch.equal(a, b) for a, b in zip(repeated["test"], source["test"], strict=True))
 
 
 def test_step_timer_stamps_every_optimizer_step_of_a_script_run_unchanged(tmp_path):
