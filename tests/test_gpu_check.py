@@ -125,6 +125,7 @@ def test_cpu_cores_busy_are_the_steady_windows_busy_time_over_its_wall_time():
 
 
 def test_cpu_sampler_reads_the_machines_busy_time():
+    assert check.busy_seconds("cpu  100 5 50 1000 20 3 2 0 0 0\n", 100) == 1.6  # not idle (1000), not iowait (20)
     with check.CpuSampler() as cpu:
         began = time.process_time()
         while time.process_time() - began < 0.4:  # this process alone keeps a core busy

@@ -214,14 +214,20 @@ class CpuSampler:
     def _read(self):
         while not self.stop.is_set():
             with open("/proc/stat") as stat:
-                user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in stat.readline().split()[1:8])
-            self.samples.append((time.time(), (user + nice + system + irq + softirq) / self.ticks_per_s))
+                self.samples.append((time.time(), busy_seconds(stat.readline(), self.ticks_per_s)))
             self.stop.wait(0.1)
 
     def __exit__(self, *exc):
         self.stop.set()
         if hasattr(self, "thread"):
             self.thread.join(timeout=5)
+
+
+def busy_seconds(cpu_line: str, ticks_per_s: int) -> float:
+    """/proc/stat's first line ("cpu user nice system idle iowait irq softirq ...", in clock ticks, all cores): the
+    time the CPUs were busy, neither idle nor waiting for I/O."""
+    user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in cpu_line.split()[1:8])
+    return (user + nice + system + irq + softirq) / ticks_per_s
 
 
 def step_numbers(results: dict, timing: dict, samples: list, batch_size: int, cpu_samples=()) -> dict:
