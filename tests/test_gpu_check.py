@@ -164,13 +164,24 @@ def test_the_repeated_digits_are_mnist_10ks_in_order(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(repeated["test"], source["test"], strict=True))
 
 
-def test_step_timer_stamps_every_optimizer_step_of_a_script_run_unchanged(tmp_path):
+def test_a_check_step_stamps_every_optimizer_step_of_a_script_run_unchanged(tmp_path, monkeypatch):
+    """run_check's own launch of a step, on the CPU: step_timer stamps every step of train_mnist.py, the numbers and
+    the report come from them; a step that runs if time is left and does not fit is skipped, one on request not run."""
     data = make_synthetic_mnist(tmp_path / "data", num_train=640, num_test=101)
-    timing = tmp_path / "steps.json"
-    run([*launcher_args(1), check.GPU_DIR / "step_timer.py", REPO / "scripts" / "train_mnist.py", "--cpu",
-         "--data_dir", data, "--output_dir", tmp_path / "out", "--batch_size", "64", "--epochs", "2"],
-        env={"STEP_TIMER_OUT": str(timing)})
-    steps = json.loads(timing.read_text())
-    assert len(steps["step_ends"]) == len(steps["wait_s"]) == results(tmp_path / "out")["global_step"] == 20
+    out, work = tmp_path / "report", tmp_path / "work"
+    out.mkdir()
+    mnist = check.Step("mnist_cpu", 400, "train_mnist on the CPU", "scripts/train_mnist.py",
+                       ["--cpu", "--data_dir", data, "--output_dir", work / "out", "--batch_size", "64", "--epochs", "2"])
+    monkeypatch.setattr(check, "plan", lambda work: [
+        mnist, check.Step("too_long", check.BUDGET_S, "runs if time is left", when=check.IF_TIME),
+        check.Step("pytest_gpu", 165, "on request", when=check.ON_REQUEST)])
+    report = check.run_check(out, work, time.time())
+    assert [(s["name"], s["status"]) for s in report["steps"]] == [("mnist_cpu", "ok"), ("too_long", "skipped")]
+    steps = json.loads((work / "mnist_cpu.steps.json").read_text())
+    assert len(steps["step_ends"]) == len(steps["wait_s"]) == results(work / "out")["global_step"] == 20
     assert steps["step_ends"] == sorted(steps["step_ends"]) and all(w >= 0 for w in steps["wait_s"])
     assert sum(steps["wait_s"]) > 0  # the DataLoader was waited on (the first batch of each epoch at least)
+    numbers = report["steps"][0]["numbers"]
+    assert numbers["steps"] == 20 and numbers["images_per_s"] > 0 and numbers["cpu_cores_busy_mean"] > 0
+    (row,) = [line for line in check.markdown(report).splitlines() if line.startswith("| mnist_cpu: ")]
+    assert f"eval accuracy {results(work / 'out')['eval_accuracy']} | ok" in row

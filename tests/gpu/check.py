@@ -518,8 +518,9 @@ def markdown(report: dict) -> str:
         t = by_id.get(test_id, {"outcome": "not run", "properties": {}})
         lines.append(f"| {what} | `{test_id.split('::')[1]}` | {t['outcome']} | "
                      f"{', '.join(f'{k} {v}' for k, v in t['properties'].items())} |")
-    lines += ["", "| test marked gpu | outcome | s | message |", "| --- | --- | --- | --- |"]
-    lines += [f"| `{t['id']}` | {t['outcome']} | {t['seconds']:.1f} | {t['message']} |" for t in report["tests"]]
+    if report["tests"]:
+        lines += ["", "| test marked gpu | outcome | s | message |", "| --- | --- | --- | --- |"]
+        lines += [f"| `{t['id']}` | {t['outcome']} | {t['seconds']:.1f} | {t['message']} |" for t in report["tests"]]
     return "\n".join(lines) + "\n"
 
 
