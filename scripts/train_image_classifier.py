@@ -253,6 +253,8 @@ def describe_run(args) -> dict:
 def build_datasets(args, accelerator, progress):
     """The training and evaluation images (decoded later, in the DataLoader workers) and the class names. `accelerator`
     and `progress` (the process's index and count, the checkpoint's): for --streaming only."""
+    if args.decode_on_device and (refusal := device_decoding_refusal(accelerator.device)):  # [accelerate] its device
+        raise UserError(refusal)  # a CUDA device and torchvision's batched nvJPEG decode, before any data is read
     if args.streaming:  # the training images as this process's part of a stream
         return build_stream_datasets(args, accelerator, progress)
     train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
@@ -318,6 +320,16 @@ def step_plan(args, progress, train_dataset) -> StepPlan:
         len(train_dataset), args.batch_size, whole_global_batches=True)
     return StepPlan.of(steps_per_epoch, args.epochs, args.max_steps, args.eval_steps, args.logging_steps,
                        args.early_stopping_patience, args.metric_for_best, args.streaming)
+
+
+def build_model_input(args, accelerator):
+    """What the training loop and evaluation apply to each batch: the uint8 batch cast to the autocast dtype,
+    normalised, channels-last with --channels_last, in one copy on the device; with --decode_on_device its JPEGs
+    decoded by nvJPEG, cropped, resized and flipped there first (utils/data/device_decoding.py)."""
+    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
+    if args.decode_on_device:
+        return decoding_first(model_input, accelerator.device, args.image_size)  # [accelerate] this process's GPU
+    return model_input
 
 
 def ddp_options(args):
@@ -386,8 +398,6 @@ def main(args):
     # shared: start-up
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
-    if args.decode_on_device and (refusal := device_decoding_refusal(args.cpu)):  # a CUDA device and nvJPEG
-        raise UserError(refusal)
     make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
@@ -435,10 +445,9 @@ def main(args):
     keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
-    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.
-    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
-    if args.decode_on_device:  # the batches hold JPEG bytes: nvJPEG decodes them on the device, crops, flips, first
-        model_input = decoding_first(model_input, accelerator.device, args.image_size)  # [accelerate] the device
+    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy. --decode_on_device:
+    # the batches hold JPEGs, which the device decodes, crops and flips first.
+    model_input = build_model_input(args, accelerator)  # on its device, in its mixed precision
 
     # shared: the global batch
     if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process

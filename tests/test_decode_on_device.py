@@ -219,26 +219,25 @@ def test_a_damaged_jpeg_is_named():
         decode_batch(batch, 224, "cpu", nvjpeg_decoder("cpu"))
 
 
-@pytest.mark.parametrize("cpu, cuda", [(True, True), (False, False), (True, False)])
-def test_without_a_cuda_device_it_refuses(cpu, cuda, monkeypatch):
-    """--cpu on a GPU node, or no CUDA device: one line saying so and what to do. main() raises it before anything is
-    read or written (the script prints it as `error: ...`, exit 1, as every UserError)."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert "drop --decode_on_device" in device_decoding_refusal(cpu)
+def test_without_a_cuda_device_it_refuses():
+    """--cpu (on a GPU node too), or no CUDA device: the run's device is the CPU, and the script's first step with the
+    data stops with one line saying so and what to do, before anything is read or written (the script prints it as
+    `error: ...`, exit 1, as every UserError)."""
+    from types import SimpleNamespace
+
     script = load_script(CLASSIFIER)
-    args = script.parse_args([*(["--cpu"] if cpu else []), "--data_dir", "nowhere", "--decode_on_device",
-                              "--output_dir", "nowhere/out"])
-    with pytest.raises(UserError, match="--decode_on_device decodes the JPEGs with nvJPEG on a CUDA GPU"):
-        script.main(args)
+    args = script.parse_args(["--cpu", "--data_dir", "nowhere", "--decode_on_device", "--output_dir", "nowhere/out"])
+    with pytest.raises(UserError, match="--decode_on_device decodes the JPEGs with nvJPEG on a CUDA GPU, and this "
+                                        "run's device is cpu .* drop --decode_on_device"):
+        script.build_datasets(args, SimpleNamespace(device=torch.device("cpu")), None)
 
 
 def test_with_cuda_and_batched_nvjpeg_it_goes_ahead(monkeypatch):
     import torchvision
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert device_decoding_refusal(cpu=False) is None
+    assert device_decoding_refusal(torch.device("cuda", 1)) is None
     monkeypatch.setattr(torchvision, "__version__", "0.18.1+cu121")  # decode_jpeg takes no list before 0.19
-    assert "needs torchvision 0.19" in device_decoding_refusal(cpu=False)
+    assert "needs torchvision 0.19" in device_decoding_refusal(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("flags, words", [

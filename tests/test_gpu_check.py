@@ -171,7 +171,8 @@ def test_a_check_step_stamps_every_optimizer_step_of_a_script_run_unchanged(tmp_
     out, work = tmp_path / "report", tmp_path / "work"
     out.mkdir()
     mnist = check.Step("mnist_cpu", 400, "train_mnist on the CPU", "scripts/train_mnist.py",
-                       ["--cpu", "--data_dir", data, "--output_dir", work / "out", "--batch_size", "64", "--epochs", "2"])
+                       ["--cpu", "--data_dir", data, "--output_dir", work / "out", "--batch_size", "64",
+                        "--epochs", "2"])
     monkeypatch.setattr(check, "plan", lambda work: [
         mnist, check.Step("too_long", check.BUDGET_S, "runs if time is left", when=check.IF_TIME),
         check.Step("pytest_gpu", 165, "on request", when=check.ON_REQUEST)])

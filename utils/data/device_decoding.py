@@ -31,14 +31,15 @@ DEVICE_COLOURSPACES = ("YCbCr", "Gray")
 BATCHED_DECODE_TORCHVISION = (0, 19)  # decode_jpeg takes a list of images (one batched nvJPEG call) from 0.19
 
 
-def device_decoding_refusal(cpu: bool):
-    """Why --decode_on_device cannot run here (one line), or None: it needs a CUDA device and torchvision's batched
-    decode."""
+def device_decoding_refusal(device: torch.device):
+    """Why --decode_on_device cannot run on `device` (one line), or None: it needs a CUDA device and torchvision's
+    batched decode."""
     import torchvision
 
-    if cpu or not torch.cuda.is_available():
-        return ("--decode_on_device decodes the JPEGs with nvJPEG on a CUDA GPU, and this run has none (--cpu, or no "
-                "CUDA device seen): drop --decode_on_device; the DataLoader workers then decode them")
+    if device.type != "cuda":
+        return (f"--decode_on_device decodes the JPEGs with nvJPEG on a CUDA GPU, and this run's device is "
+                f"{device.type} (--cpu, or no CUDA device seen): drop --decode_on_device; the DataLoader workers then "
+                f"decode them")
     version = tuple(int(part) for part in torchvision.__version__.split("+")[0].split(".")[:2])
     if version < BATCHED_DECODE_TORCHVISION:
         return (f"--decode_on_device needs torchvision 0.19 or later (batched nvJPEG decoding); this is "
