@@ -219,12 +219,13 @@ def test_a_damaged_jpeg_is_named():
         decode_batch(batch, 224, "cpu", nvjpeg_decoder("cpu"))
 
 
-def test_without_a_cuda_device_it_refuses():
-    """--cpu (on a GPU node too), or no CUDA device: the run's device is the CPU, and the script's first step with the
-    data stops with one line saying so and what to do, before anything is read or written (the script prints it as
-    `error: ...`, exit 1, as every UserError)."""
+def test_without_a_cuda_device_it_refuses(monkeypatch):
+    """--cpu (here on a node with a GPU), or no CUDA device: the run's device is the CPU, and the script's first step
+    with the data stops with one line saying so and what to do, before anything is read or written (the script prints
+    it as `error: ...`, exit 1, as every UserError)."""
     from types import SimpleNamespace
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     script = load_script(CLASSIFIER)
     args = script.parse_args(["--cpu", "--data_dir", "nowhere", "--decode_on_device", "--output_dir", "nowhere/out"])
     with pytest.raises(UserError, match="--decode_on_device decodes the JPEGs with nvJPEG on a CUDA GPU, and this "
