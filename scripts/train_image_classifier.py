@@ -251,8 +251,9 @@ def describe_run(args) -> dict:
 
 
 def build_datasets(args, accelerator, progress):
-    """The training and evaluation images (decoded later, in the DataLoader workers) and the class names. `accelerator`
-    and `progress` (the process's index and count, the checkpoint's): for --streaming only."""
+    """The training and evaluation images (decoded later, in the DataLoader workers, or on the GPU with
+    --decode_on_device) and the class names. `accelerator`: its device, for --decode_on_device; with `progress` (the
+    process's index and count, the checkpoint's), for --streaming."""
     if args.decode_on_device and (refusal := device_decoding_refusal(accelerator.device)):  # [accelerate] its device
         raise UserError(refusal)  # a CUDA device and torchvision's batched nvJPEG decode, before any data is read
     if args.streaming:  # the training images as this process's part of a stream
