@@ -124,6 +124,23 @@ def test_cpu_cores_busy_are_the_steady_windows_busy_time_over_its_wall_time():
     assert numbers["images_per_s"] is None and numbers["steady_s"] == 4.0  # no results.json: a step stopped in time
 
 
+def test_the_summary_names_the_fewest_workers_within_5_percent_and_compares_decoding_on_the_gpu():
+    def step(name, rate, cores=None):
+        return {"name": name, "numbers": {"images_per_s_between_steps": rate, "cpu_cores_busy_mean": cores}}
+
+    steps = [step("resnet50_synthetic_compile", 5000.0), step("resnet50_jpeg_compile_w16", 4990.0),
+             step("resnet50_jpeg_compile_w8", 4750.0), step("resnet50_jpeg_compile_w4", 3000.0, 4.2),
+             step("resnet50_decode_on_device_compile_w4", 4500.0, 1.5)]
+    first, second = check.feeding_summary(steps)
+    assert "4 workers 0.600, 8 workers 0.950, 16 workers 0.998" in first and "the fewest within 5%: 8 workers" in first
+    assert "images/s 1.500 (4,500 against 3,000), CPU cores busy 1.5 against 4.2" in second
+    steps[2]["numbers"]["images_per_s_between_steps"] = 4700.0  # 0.94: 16 workers are the fewest within 5%
+    assert "the fewest within 5%: 16 workers" in check.feeding_summary(steps)[0]
+    (lone,) = check.feeding_summary([steps[0], step("resnet50_jpeg_compile_w4", 2000.0)])
+    assert lone.endswith("none within 5%; the best: 4 workers")
+    assert check.feeding_summary(steps[1:]) == []  # no synthetic run to compare with
+
+
 def test_cpu_sampler_reads_the_machines_busy_time():
     assert check.busy_seconds("cpu  100 5 50 1000 20 3 2 0 0 0\n", 100) == 1.6  # not idle (1000), not iowait (20)
     with check.CpuSampler() as cpu:

@@ -474,6 +474,32 @@ def run_check(out: Path, work: Path, started: float, only=None, pytest_select=No
 # ---------------------------------------------------------------- the report
 
 
+def feeding_summary(steps: list) -> list:
+    """Issue 46's answers from the steps' steady rates (images/s between steps): each compiled JPEG run against the
+    compiled synthetic run of the same check, the fewest workers within 5% of it (or the best ratio), and
+    --decode_on_device against the CPU path with as many workers (images/s, CPU cores busy)."""
+    rate = {s["name"]: s.get("numbers", {}).get("images_per_s_between_steps") for s in steps}
+    cores = {s["name"]: s.get("numbers", {}).get("cpu_cores_busy_mean") for s in steps}
+    synthetic = rate.get("resnet50_synthetic_compile")
+    if not synthetic:
+        return []
+    ratios = {workers: rate[name] / synthetic for workers in (4, 8, 16)
+              if rate.get(name := f"resnet50_jpeg_compile_w{workers}")}
+    if not ratios:
+        return []
+    within = [workers for workers, ratio in sorted(ratios.items()) if ratio >= 0.95]
+    best = max(ratios, key=ratios.get)
+    lines = ["Compiled JPEG runs ÷ compiled synthetic (images/s between steady steps): " + ", ".join(
+        f"{workers} workers {ratio:.3f}" for workers, ratio in sorted(ratios.items())) + "; " + (
+        f"the fewest within 5%: {within[0]} workers" if within else f"none within 5%; the best: {best} workers")]
+    decoded, cpu_path = "resnet50_decode_on_device_compile_w4", "resnet50_jpeg_compile_w4"
+    if rate.get(decoded) and rate.get(cpu_path):
+        lines.append(f"--decode_on_device ÷ the workers' decode, 4 workers each: images/s "
+                     f"{rate[decoded] / rate[cpu_path]:.3f} ({fmt(rate[decoded])} against {fmt(rate[cpu_path])}), "
+                     f"CPU cores busy {fmt(cores.get(decoded), 1)} against {fmt(cores.get(cpu_path), 1)}")
+    return lines
+
+
 def profile_table(output: str) -> str:
     """--profile's table of top operators, from the step's last output lines (its totals, CPU and CUDA, at the end)."""
     start = output.rfind("--profile: batches")
@@ -510,6 +536,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {s['name']}: {s['about']}{accuracy} | {s['status']} {s.get('reason', '')} | "
                      f"{fmt(s.get('seconds'))} | {rate} | {fmt(n.get('gpu_utilisation_pct_mean'))} | "
                      f"{fmt(n.get('cpu_cores_busy_mean'), 1)} | {wait} | {fmt(n.get('peak_memory_mb'))} |")
+    lines += ["", *feeding_summary(report["steps"])]
     lines += [f"\n{s['name']}'s --profile:\n```\n{s['profile']}\n```" for s in report["steps"] if s.get("profile")]
     by_id = {t["id"]: t for t in report["tests"]}
     headlines = HEADLINES if any(s["name"] == "pytest_gpu" for s in report["steps"]) else {}
