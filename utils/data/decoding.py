@@ -30,14 +30,21 @@ def region_scaled(region: dict, size, shape) -> dict:
 def jpeg_size(data: bytes):
     """(height, width) of a JPEG that decode_rgb decodes with simplejpeg (stored upright), from its header; None for
     other files, and where the header does not read (decoding then names the problem)."""
+    header = jpeg_header(data)
+    return None if header is None else header[:2]
+
+
+def jpeg_header(data: bytes):
+    """(height, width, colour space: "YCbCr", "Gray", "CMYK", ...) of an upright JPEG, from its header; None as for
+    jpeg_size."""
     import simplejpeg
     if not _is_upright_jpeg(data):
         return None
     try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
-    return height, width
+    return height, width, colourspace
 
 
 def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
