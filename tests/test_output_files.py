@@ -69,8 +69,9 @@ def test_accelerates_fsdp_save_lines_are_hidden_as_the_others(tmp_path, caplog):
     said = {
         "accelerate.accelerator": ["Saving FSDP model", f"FSDP Model saved to output dir {tmp}", "Saving FSDP Optimizer",
                                    f"FSDP Optimizer saved to output dir {tmp}", f"Model weights saved in {final}"],
-        "accelerate.utils.fsdp_utils": [f"Saving model to {tmp}/pytorch_model_fsdp_0", f"Model saved to "
-                                        f"{tmp}/pytorch_model_fsdp_0", f"Saving Optimizer state to {tmp}/optimizer_0",
+        "accelerate.utils.fsdp_utils": [f"Saving model to {tmp}/pytorch_model_fsdp_0",
+                                        f"Model saved to {tmp}/pytorch_model_fsdp_0",
+                                        f"Saving Optimizer state to {tmp}/optimizer_0",
                                         f"Optimizer state saved in {tmp}/optimizer_0"],
     }
     with caplog.at_level(logging.INFO):
