@@ -11,9 +11,11 @@ and the --on_error stop; on 3 processes the image and the MNIST predictions; the
 first prediction, the rows of a corrupt image, the bf16 line and the MNIST export."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -353,6 +355,20 @@ def test_the_splits_of_an_image_folder_are_those_training_made(image_run, mnist_
     assert [digits.source_of(i) for i in (0, 255, 256, 299)] == ["train/0", "train/255", "eval/0", "eval/43"]
     with pytest.raises(UserError, match="holds an MNIST ConvNet"):
         read_inputs(read_trained_run(mnist_run[1]), dataset="uoft-cs/cifar10")
+
+
+def test_an_image_run_without_data_dir_or_dataset_names_both_and_what_it_trained_on(image_run):
+    """In-process: MNIST runs default to ylecun/mnist; an image run has no default, and says what it trained on
+    (before: `could not load --dataset None (TypeError: ...)`)."""
+    data, out = image_run
+    trained = read_trained_run(out)
+    assert trained.run["data"] == str(data.resolve())
+    with pytest.raises(UserError, match=f"with --data_dir .* or --dataset .*; it was trained on --data_dir "
+                                        f"{re.escape(str(data.resolve()))}$"):
+        read_inputs(trained)
+    on_the_hub = dataclasses.replace(trained, run={**trained.run, "data": "uoft-cs/cifar10"})
+    with pytest.raises(UserError, match="it was trained on --dataset uoft-cs/cifar10$"):
+        read_inputs(on_the_hub)
 
 
 def test_best_of_a_run_resumed_with_other_epochs_and_processes_still_predicts(image_run, tmp_path):

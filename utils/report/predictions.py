@@ -148,6 +148,11 @@ def read_inputs(trained: TrainedRun, data_dir=None, dataset=None, split="eval", 
         blank = torch.zeros(1, 28, 28, dtype=torch.uint8)
     else:
         run = trained.run
+        if data_dir is None and dataset is None:  # MNIST's default, ylecun/mnist, has no counterpart here
+            trained_on = f"--data_dir {run['data']}" if Path(run["data"]).is_absolute() else f"--dataset {run['data']}"
+            raise UserError(f"--model_dir {trained.folder} is an image classifier: name the images to predict with "
+                            f"--data_dir (an image folder) or --dataset (a Hub data set or a folder of data files); "
+                            f"it was trained on {trained_on}")
         folder = Path(data_dir) if data_dir is not None else None
         if folder is not None and folder.is_dir() and not any(p.is_dir() and not p.name.startswith(".")
                                                               for p in folder.iterdir()):

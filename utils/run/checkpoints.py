@@ -40,8 +40,9 @@ TMP_PREFIX = ".tmp-"
 logger = get_logger(__name__)
 
 # Installed once, on the loggers of accelerate's modules that save (checkpointing: save_state, accelerator:
-# save_model), so that every save of the scripts is covered, also their final save_model.
-for _name in ("accelerate.checkpointing", "accelerate.accelerator"):
+# save_model, utils.fsdp_utils: FSDP's shards), so that every save of the scripts is covered, also their final
+# save_model.
+for _name in ("accelerate.checkpointing", "accelerate.accelerator", "accelerate.utils.fsdp_utils"):
     logging.getLogger(_name).addFilter(AccelerateSaveLines(TMP_PREFIX))
 
 

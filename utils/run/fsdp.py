@@ -124,7 +124,9 @@ def _release_process_groups() -> None:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+    # issubclass(type(o)): isinstance would also read o.__class__, which torch's deprecated
+    # torch.distributed.reduce_op answers with a FutureWarning on every process
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         mesh._pg_registry.clear()
     gc.collect()
 
