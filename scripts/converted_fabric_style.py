@@ -11,8 +11,8 @@ the "after" of scripts/baselines/fabric_mnist.py, converted with as few changes 
 main_process_first() what rank_zero_first() did, and gather_for_metrics makes the test metrics exact: torchmetrics
 is updated with every process's rows on every process, without the rows repeated to even out the shards, and
 computes without syncing (Fabric's DistributedSampler counted one test image twice for 501 on 2 processes; a
-torchmetrics metric updated with each process's own rows under Accelerate counts 512). docs/converting_a_fabric_script.md
-walks through the diff.
+torchmetrics metric updated with each process's own rows under Accelerate counts 512).
+docs/converting_a_fabric_script.md walks through the diff.
 """
 
 import argparse
@@ -22,7 +22,7 @@ import sys  # [accelerate] the launch check's error
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
+import torch.distributed.nn  # [accelerate] before any process group: docs/migration_guide.md, "Ending a run cleanly"
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
@@ -103,7 +103,7 @@ def run(hparams):
     # optimizer wrapped, each loader sharded (whole batches per process) and moved to the device
     model, optimizer, train_loader, test_loader = accelerator.prepare(model, optimizer, train_loader, test_loader)
 
-    # not prepared, as Fabric left it: a prepared scheduler steps once per process at each step() (gamma ** N a epoch)
+    # [accelerate] not prepared, as Fabric left it: prepared, each step() would step it once per process
     scheduler = StepLR(optimizer, step_size=1, gamma=hparams.gamma)
 
     # [accelerate] updated with every process's rows (gather_for_metrics) on every process: nothing left to sync
