@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
 from accelerate import Accelerator
-from accelerate_reference_utils.run.fsdp import shard_on_cpu  # ours, installed under its own name
+from accelerate_reference_utils.run.fsdp import complete_fsdp_model, shard_on_cpu  # ours, under its installed name
 from torch.distributed.tensor import DTensor
 from utils import inspect_model, whole_elements  # the project's own utils.py
 
@@ -30,6 +30,7 @@ def main(out) -> None:
     whole = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
+    complete_fsdp_model(accelerator, model)  # rank 0's buffers, and the process groups released at exit
     gathered = accelerator.get_state_dict(model)  # collective: every process calls it
     unwrapped = accelerator.unwrap_model(model).state_dict()
     record = {
