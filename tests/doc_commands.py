@@ -70,11 +70,13 @@ def script_help(path) -> str:
     spec = importlib.util.spec_from_file_location(f"guide_checked_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "parse_args"):  # written like another project's example (Horovod, apex): run it
+    # written like another project's example: its module-level `parser` (Horovod, Fabric), or else run it (apex)
+    parse_args = getattr(module, "parse_args", None) or getattr(getattr(module, "parser", None), "parse_args", None)
+    if parse_args is None:
         return program_help([sys.executable, path, "--help"])
     output = io.StringIO()
     with contextlib.redirect_stdout(output), pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        parse_args(["--help"])
     return output.getvalue()
 
 
