@@ -30,7 +30,6 @@ from accelerate import Accelerator  # [accelerate]
 from accelerate.utils import set_seed  # [accelerate]
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import TensorDataset
-from torchmetrics.classification import Accuracy
 
 parser = argparse.ArgumentParser(description="Fabric MNIST Example")
 parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size of each process")
@@ -79,6 +78,9 @@ def load_split(data_dir, prefix, max_samples=None):
 
 
 def run(hparams):
+    # [accelerate] here, not at the top: torchmetrics imports PIL, which --help need not wait for
+    from torchmetrics.classification import Accuracy
+
     # [accelerate] the processes, their group and devices come from `accelerate launch`
     accelerator = Accelerator(cpu=hparams.cpu)
     # [accelerate] without --cpu on a machine without GPUs, `accelerate launch --multi_gpu` starts lone processes
