@@ -9,7 +9,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from utils.errors import exit_with_error
+from ..errors import exit_with_error
 
 DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's value means the same here
 
