@@ -6,7 +6,7 @@ import io
 import torch
 
 # simplejpeg and PIL are imported in the functions that use them: `--help` need not wait for them
-from utils.data.image_modes import viewer_rgb
+from ..data.image_modes import viewer_rgb
 
 # libjpeg-turbo decodes at 1/2, 1/4 and 1/8 with its fast (SIMD) inverse DCTs; its other scales (3/8, 5/8...) take
 # longer than a full decode on photos

@@ -15,8 +15,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from utils.data.decoding import jpeg_header
-from utils.data.image_dataset import (
+from ..data.decoding import jpeg_header
+from ..data.image_dataset import (
     TransformedImages,
     augmentation_seeded,
     collate_images,
@@ -24,7 +24,7 @@ from utils.data.image_dataset import (
     image_bytes,
     image_source,
 )
-from utils.errors import UserError, first_line
+from ..errors import UserError, first_line
 
 # The colour spaces nvJPEG is given; the rest (CMYK, YCCK: print files) go through PIL in the worker
 DEVICE_COLOURSPACES = ("YCbCr", "Gray")

@@ -6,9 +6,9 @@ import contextlib
 import numpy as np
 import torch
 
-from utils.data.data_layout import MISSING_IMAGE
-from utils.data.decoding import decode_rgb
-from utils.errors import UserError
+from ..data.data_layout import MISSING_IMAGE
+from ..data.decoding import decode_rgb
+from ..errors import UserError
 
 
 def collate_images(samples: list):

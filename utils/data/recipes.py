@@ -10,7 +10,7 @@ measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipe
 import torch
 
 # torchvision is imported in the functions that use it: it takes seconds to import, which `--help` need not wait for
-from utils.data.decoding import jpeg_size, reduction_for, region_scaled
+from ..data.decoding import jpeg_size, reduction_for, region_scaled
 
 # --augmentation auto: the ImageNet recipe from this side up; below it, the small-image one.
 SMALL_IMAGE_LIMIT = 128

@@ -9,7 +9,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from utils.errors import exit_with_error, first_line
+from ..errors import exit_with_error, first_line
+
 
 DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's value means the same here
 

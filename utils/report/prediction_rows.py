@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.data import Dataset
 
-from utils.errors import UserError
+from ..errors import UserError
 
 if TYPE_CHECKING:  # predictions.py builds the inputs (and imports torchvision and datasets to do so)
-    from utils.report.predictions import Inputs
+    from .predictions import Inputs
 
 
 class WholeBatches(Dataset):

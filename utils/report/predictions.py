@@ -13,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
-from utils.data.image_dataset import TransformedImages
-from utils.data.image_loading import load_image_datasets, load_unlabelled_images
-from utils.data.mnist import load_mnist
-from utils.data.recipes import eval_transform
-from utils.errors import UserError, first_line
-from utils.models import ConvNet, build_model
-from utils.run.ema import EMA_WEIGHTS
-from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..data.image_dataset import TransformedImages
+from ..data.image_loading import load_image_datasets, load_unlabelled_images
+from ..data.mnist import load_mnist
+from ..data.recipes import eval_transform
+from ..errors import UserError, first_line
+from ..models import ConvNet, build_model
+from ..run.ema import EMA_WEIGHTS
+from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 WEIGHTS, RESULTS = "model.safetensors", "results.json"
 WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average

@@ -12,8 +12,8 @@ and `save_model` gather the whole weights. Hand-written because Accelerate has n
 line, never silently, when the Accelerate it was written against changes.
 """
 
-from utils.errors import UserError
-from utils.launch.launch_checks import fsdp_launch
+from ..errors import UserError
+from ..launch.launch_checks import fsdp_launch
 
 # The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
 ADAPTED_ACCELERATE = "1.15."

@@ -26,13 +26,13 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from utils.errors import UserError
-from utils.files import create_output_dir, write_json_atomically
-from utils.run.best import BEST
-from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
-from utils.run.ema import EMA_WEIGHTS
-from utils.run.progress import TRAINING_STATE, TrainingProgress
-from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..errors import UserError
+from ..files import create_output_dir, write_json_atomically
+from ..run.best import BEST
+from ..run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
+from ..run.ema import EMA_WEIGHTS
+from ..run.progress import TRAINING_STATE, TrainingProgress
+from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 RESULTS = "results.json"
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's

@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from utils.run.checkpoints import newest_good_checkpoint
+from ..run.checkpoints import newest_good_checkpoint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
