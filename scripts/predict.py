@@ -32,14 +32,8 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import check_writable_file, write_text_atomically  # noqa: E402
 from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int  # noqa: E402
 from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.report.predictions import (  # noqa: E402
-    WEIGHT_FILES,
-    WholeBatches,
-    build_trained_model,
-    predictions_csv,
-    read_inputs,
-    read_trained_run,
-)
+from utils.report.prediction_rows import WholeBatches, predictions_csv  # noqa: E402
+from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run  # noqa: E402
 
 
 def parse_args(argv=None):

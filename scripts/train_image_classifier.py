@@ -36,6 +36,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
+from utils.data.device_decoding import (  # noqa: E402
+    EncodedImages,
+    collate_encoded,
+    decoding_first,
+    device_decoding_refusal,
+)
 from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
 from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
 from utils.data.image_loading import load_image_datasets  # noqa: E402
@@ -140,6 +146,10 @@ def parse_args(argv=None):
     data.add_argument("--num_workers", type=non_negative_int, default=None,
                       help="DataLoader processes per process (decode, augment); default: the CPUs this process may use "
                            "divided by the training processes on this machine, at most 4")
+    data.add_argument("--decode_on_device", action="store_true",
+                      help="for nodes short of CPU cores: the workers read the JPEGs and draw their crops and flips, "
+                           "the GPU decodes them (nvJPEG), crops, resizes and flips. CUDA only; --augmentation "
+                           "imagenet or none. docs/image_classification.md, Decoding on the GPU")
 
     model = parser.add_argument_group("model and optimisation")
     model.add_argument("--model", default="resnet18", help="torchvision model name, or module:function(num_classes)")
@@ -195,7 +205,21 @@ def parse_args(argv=None):
     args.augmentation = resolve_augmentation(args.augmentation, args.image_size)
     if args.hflip is None:
         args.hflip = default_hflip(args.augmentation)
+    if args.decode_on_device:
+        check_decode_on_device_flags(parser, args)
     return args
+
+
+def check_decode_on_device_flags(parser, args) -> None:
+    """--decode_on_device: the GPU does a region resized and flips, on JPEG bytes the workers read whole."""
+    if args.augmentation == "small":
+        parser.error("--decode_on_device does the imagenet and none recipes on the GPU, not small (the recipe below "
+                     "128 px): pass --augmentation imagenet or none, or drop --decode_on_device")
+    for flag, value in (("streaming", args.streaming), ("mixup_alpha", args.mixup_alpha),
+                        ("cutmix_alpha", args.cutmix_alpha), ("auto_find_batch_size", args.auto_find_batch_size)):
+        if value:
+            parser.error(f"--{flag} does not work with --decode_on_device (it needs the images decoded in the "
+                         f"workers); drop one of them")
 
 
 def describe_run(args) -> dict:
@@ -227,8 +251,11 @@ def describe_run(args) -> dict:
 
 
 def build_datasets(args, accelerator, progress):
-    """The training and evaluation images (decoded later, in the DataLoader workers) and the class names. `accelerator`
-    and `progress` (the process's index and count, the checkpoint's): for --streaming only."""
+    """The training and evaluation images (decoded later, in the DataLoader workers, or on the GPU with
+    --decode_on_device) and the class names. `accelerator`: its device, for --decode_on_device; with `progress` (the
+    process's index and count, the checkpoint's), for --streaming."""
+    if args.decode_on_device and (refusal := device_decoding_refusal(accelerator.device)):  # [accelerate] its device
+        raise UserError(refusal)  # a CUDA device and torchvision's batched nvJPEG decode, before any data is read
     if args.streaming:  # the training images as this process's part of a stream
         return build_stream_datasets(args, accelerator, progress)
     train_split, eval_split, image_column, label_column, class_names = load_image_datasets(
@@ -240,11 +267,13 @@ def build_datasets(args, accelerator, progress):
         eval_split = eval_split.select(range(min(args.max_eval_samples, len(eval_split))))
     columns = (image_column, label_column)
     train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
-    train_dataset = TransformedImages(train_split, train_transforms, *columns, seed=args.seed)
+    # --decode_on_device: the workers hand over JPEG bytes and their crops and flips (utils/data/device_decoding.py)
+    images = EncodedImages if args.decode_on_device else TransformedImages
+    train_dataset = images(train_split, train_transforms, *columns, seed=args.seed)
     if args.mixup_alpha or args.cutmix_alpha:  # mixed in the workers too, each pair chosen by (seed, epoch, index)
         train_dataset = MixedImages(train_dataset, len(class_names), args.mixup_alpha, args.cutmix_alpha,
                                     args.mix_prob, seed=args.seed)
-    eval_dataset = TransformedImages(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
+    eval_dataset = images(eval_split, eval_transform(args.image_size, args.augmentation), *columns)
     return train_dataset, eval_dataset, class_names
 
 
@@ -272,7 +301,8 @@ def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
     channels-last, as the workers resize them (collate_images); pinned memory for faster copies to a GPU. drop_last: a
     last batch of one image would break BatchNorm in training. A stream's training loader is this process's own."""
     pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
-    options = {"batch_size": args.batch_size, "num_workers": args.num_workers, "collate_fn": collate_images,
+    options = {"batch_size": args.batch_size, "num_workers": args.num_workers,
+               "collate_fn": collate_encoded if args.decode_on_device else collate_images,
                "persistent_workers": args.num_workers > 0, "pin_memory": pin_memory,
                "worker_init_fn": ignore_stop_signals if args.save_on_signal else None}
     if args.streaming:
@@ -291,6 +321,16 @@ def step_plan(args, progress, train_dataset) -> StepPlan:
         len(train_dataset), args.batch_size, whole_global_batches=True)
     return StepPlan.of(steps_per_epoch, args.epochs, args.max_steps, args.eval_steps, args.logging_steps,
                        args.early_stopping_patience, args.metric_for_best, args.streaming)
+
+
+def build_model_input(args, accelerator):
+    """What the training loop and evaluation apply to each batch: the uint8 batch cast to the autocast dtype,
+    normalised, channels-last with --channels_last, in one copy on the device; with --decode_on_device its JPEGs
+    decoded by nvJPEG, cropped, resized and flipped there first (utils/data/device_decoding.py)."""
+    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
+    if args.decode_on_device:
+        return decoding_first(model_input, accelerator.device, args.image_size)  # [accelerate] this process's GPU
+    return model_input
 
 
 def ddp_options(args):
@@ -406,8 +446,9 @@ def main(args):
     keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
     # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
-    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy.
-    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
+    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy. --decode_on_device:
+    # the batches hold JPEGs, which the device decodes, crops and flips first.
+    model_input = build_model_input(args, accelerator)  # on its device, in its mixed precision
 
     # shared: the global batch
     if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process

@@ -2,6 +2,7 @@
 against the files and --help texts they name, so the docs cannot rot."""
 
 import contextlib
+import fnmatch
 import importlib.util
 import io
 import re
@@ -9,6 +10,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -70,11 +72,13 @@ def script_help(path) -> str:
     spec = importlib.util.spec_from_file_location(f"guide_checked_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not hasattr(module, "parse_args"):  # written like another project's example (Horovod, apex): run it
+    # written like another project's example: its module-level `parser` (Horovod, Fabric), or else run it (apex)
+    parse_args = getattr(module, "parse_args", None) or getattr(getattr(module, "parser", None), "parse_args", None)
+    if parse_args is None:
         return program_help([sys.executable, path, "--help"])
     output = io.StringIO()
     with contextlib.redirect_stdout(output), pytest.raises(SystemExit):
-        module.parse_args(["--help"])
+        parse_args(["--help"])
     return output.getvalue()
 
 
@@ -147,8 +151,15 @@ def check_command(command: str, help_of):
         at = next(i for i, w in enumerate(words) if w.endswith(".sbatch"))
         if len(words) > at + 1:
             assert_script_and_flags(words[at + 1:], help_of, command)
-    elif program == "pip":
-        assert words[1:] == ["install", "-r", "requirements.txt"] and (REPO / "requirements.txt").is_file(), command
+    elif program == "pip":  # the requirements, or our helpers under their own name (docs/layout.md)
+        assert words[1:] == ["install", "-r", "requirements.txt"] and (REPO / "requirements.txt").is_file() or \
+            words[1:] == ["install", "-e", "path/to/this/clone"] and (REPO / "pyproject.toml").is_file(), command
+    elif program == "sed":
+        pass  # a copied script's import lines rewritten: tests/test_helpers_shadowing.py runs it
+    elif words[:2] == ["fabric", "run"]:  # Lightning Fabric's launcher (the Fabric "before"), a test dependency
+        at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+        assert_flags_exist(words[2:at], help_of(sys.executable, "-m", "lightning_fabric.cli"), command)
+        assert_script_and_flags(words[at:], help_of, command)
     elif words[:3] == ["python", "-m", "pytest"]:
         assert (REPO / words[-1]).is_dir(), command
     elif program == "python":  # python SCRIPT FLAGS [-- SCRIPT FLAGS], e.g. a sweep that launches a script
@@ -162,6 +173,12 @@ def check_command(command: str, help_of):
     elif program == "bash" and REPO_PATH.match(words[1]) and words[1].endswith(".sh"):  # bash SCRIPT.sh [--option]
         for option in (w for w in words[2:] if w.startswith("--")):
             assert option in (REPO / words[1]).read_text(), f"{words[1]} takes no {option}: {command}"
+    elif program == "mutmut":  # the mutation run (docs/testing.md): its subcommand, and mutants of configured modules
+        assert words[1] in ("run", "results", "show"), command
+        mutated = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mutmut"]["only_mutate"]
+        modules = [path.removesuffix(".py").replace("/", ".") for path in mutated]
+        for pattern in (w for w in words[2:] if not w.startswith("-")):
+            assert any(fnmatch.fnmatch(f"{module}.x_function__mutmut_1", pattern) for module in modules), command
     elif program in ("horovodrun", "ss"):
         pass  # Horovod is not installed (the "before" side); ss is iproute2's
     else:

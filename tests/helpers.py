@@ -52,7 +52,7 @@ def launcher_args(num_processes: int = 1, config_file=None) -> list:
 def threads_left_message(threads_left: list) -> str:
     """What the exit check's files say, and the fix."""
     return (f"{''.join(threads_left)}release the DDP model before end_training "
-            f"(docs/migration_guide.md, 'Ending a run cleanly')")
+            f"(docs/ending_a_run_cleanly.md)")
 
 
 def exit_check_env(exit_check_dir, env=None) -> dict:

@@ -29,9 +29,11 @@ def covered_modules() -> list:
 
 
 def changed_modules(base: str) -> list:
-    """The covered modules that differ from `base`, committed or not."""
-    changed = subprocess.run(["git", "diff", "--name-only", base, "--"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.split()
+    """The covered modules this branch changed since it left `base` (their merge base), committed or not."""
+    def git(*args) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout
+
+    changed = git("diff", "--name-only", git("merge-base", base, "HEAD").strip(), "--").split()
     return [module for module in covered_modules() if module in changed]
 
 

@@ -3,7 +3,9 @@ slurmd daemons (`node1`, `node2`, both at 127.0.0.1 on their own ports), from De
 slurmctld/slurmd/slurm-client/munge packages.
 
 Each node declares 4 GPUs backed by empty files: Slurm counts and allocates them (so
-SLURM_GPUS_ON_NODE is real), nothing opens them, and the jobs train on the CPU. Each node
+SLURM_GPUS_ON_NODE is real), nothing opens them, and the jobs train on the CPU. With
+gpus_per_node=0 the cluster has no GPUs at all (no GresTypes), as a CPU-only cluster, where sbatch
+refuses any GPU request. Each node
 also declares this machine's CPUs, and Slurm binds every job to the CPUs it allocated
 (task/affinity, as clusters that bind cores do). A second partition, `urgent`, preempts
 the jobs of the default one, the way a cluster without `--signal` at preemption does it:
@@ -48,8 +50,9 @@ def free_ports(count: int) -> list:
 
 
 class SlurmCluster:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, gpus_per_node: int = GPUS_PER_NODE):
         self.root = root
+        self.gpus_per_node = gpus_per_node
         self.conf = root / "slurm.conf"
         self.munge_socket = root / "munge" / "munge.socket"
         # What every Slurm command and job needs: our slurm.conf, and the venv's accelerate
@@ -72,12 +75,13 @@ class SlurmCluster:
         for sub in ("state", "log", "munge", *(f"spool/{n}" for n in NODES)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         (self.root / "munge").chmod(0o700)
-        for i in range(GPUS_PER_NODE):
+        for i in range(self.gpus_per_node):
             (self.root / f"fake-gpu{i}").touch()
         hostname = socket.gethostname()
+        gres = f" Gres=gpu:{self.gpus_per_node}" if self.gpus_per_node else ""
         node_lines = "\n".join(  # one line per node: the two ports need not be consecutive
             f"NodeName={node} NodeHostname={hostname} NodeAddr=127.0.0.1 Port={port} "
-            f"CPUs={CPUS_PER_NODE} Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN"
+            f"CPUs={CPUS_PER_NODE}{gres} State=UNKNOWN"
             for node, port in zip(NODES, node_ports)
         )
         r, nodes = self.root, ",".join(NODES)
@@ -115,7 +119,7 @@ JobRequeue=1
 KillWait=10
 # How long an ended job stays in `scontrol show job`, where wait_for_job reads its exit code
 MinJobAge=60
-GresTypes=gpu
+{"GresTypes=gpu" if self.gpus_per_node else ""}
 {node_lines}
 # The tests run two jobs side by side on this machine's few CPUs: up to 2 jobs share a CPU
 # (never a GPU). A job in `urgent` cancels the `debug` jobs in its way at once (GraceTime 0).
@@ -124,9 +128,10 @@ PreemptMode=CANCEL
 PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:2 PriorityTier=1
 PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
 """)
-        (self.root / "gres.conf").write_text(
-            "AutoDetect=off\n" + f"Name=gpu File={self.root}/fake-gpu[0-{GPUS_PER_NODE - 1}]\n"
-        )
+        if self.gpus_per_node:
+            (self.root / "gres.conf").write_text(
+                "AutoDetect=off\n" + f"Name=gpu File={self.root}/fake-gpu[0-{self.gpus_per_node - 1}]\n"
+            )
 
     def run(self, *cmd, check=True, timeout=60) -> subprocess.CompletedProcess:
         proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=self.env)
@@ -200,7 +205,7 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
             time.sleep(0.2)
 
 
-def start_cluster(root: Path) -> SlurmCluster:
+def start_cluster(root: Path, gpus_per_node: int = GPUS_PER_NODE) -> SlurmCluster:
     """A running cluster, or a skip that says what is missing."""
     missing = [d for d in DAEMONS if shutil.which(d) is None]
     if missing:
@@ -210,7 +215,7 @@ def start_cluster(root: Path) -> SlurmCluster:
         )
     if os.geteuid() != 0:
         skip_with_reason("slurmd must run as root to start jobs; these tests run as a regular user")
-    cluster = SlurmCluster(root)
+    cluster = SlurmCluster(root, gpus_per_node)
     try:
         cluster.start()
     except (RuntimeError, subprocess.TimeoutExpired) as err:

@@ -1,4 +1,4 @@
-"""Run the migration guide's snippets of one launcher (and the tests' variants of them), each in its own process,
+"""Run the migration pages' snippets of one launcher (and the tests' variants of them), each in its own process,
 in one launch.
 
 usage: snippet_batch.py [ARGS...] MANIFEST.json   (as the script of `python`, `accelerate launch` or torchrun)

@@ -1,4 +1,4 @@
-"""Run every two-process snippet of docs/migration_guide.md (and, with --train_mnist, two-process runs of
+"""Run every two-process snippet of the migration pages of docs/ (and, with --train_mnist, two-process runs of
 scripts/train_mnist.py and scripts/minimal_mnist.py) N times in a row and count the runs that failed, those
 that aborted at exit ("terminate called without an active exception", SIGABRT), and those that left a gloo
 worker thread alive at exit (what makes that abort possible; tests/exit_check/sitecustomize.py records it).

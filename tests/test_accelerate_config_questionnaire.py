@@ -1,4 +1,4 @@
-"""The answers to `accelerate config` in docs/migration_guide.md write our YAMLs.
+"""The answers to `accelerate config` in docs/launching.md write our YAMLs.
 
 The real questionnaire runs in a pseudo-terminal and gets the guide's answers, question by
 question; the file it writes is compared with ours in accelerate_configs/. A question the
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from helpers import REPO, launcher_args, run
 
-GUIDE = (REPO / "docs" / "migration_guide.md").read_text()
+GUIDE = (REPO / "docs" / "launching.md").read_text()  # the questionnaire's answers
 MENU_MARK = "➔ "  # in the guide: pick this option in a menu; otherwise type the answer
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MENU_READS_KEYS = "\x1b[?25l"  # the menu hides the cursor, then reads keys
@@ -22,7 +22,7 @@ MENU_DONE = "\x1b[?25h"  # ... and shows it again once an option is chosen
 
 # What ours say that the questionnaire does not ask about: on one machine, a free port each time.
 ONLY_OURS = {"main_process_port"}
-# Where ours deliberately differ (docs/migration_guide.md and the YAML's comment say why): the multi-GPU answer
+# Where ours deliberately differ (docs/launching.md and the YAML's comment say why): the multi-GPU answer
 # never asks about the CPU; ours say use_cpu, which the multi-GPU launcher does not forward (the script's --cpu counts).
 DIFFERENT = {("cpu_2proc.yaml", "use_cpu"): (False, True)}
 # What a user who answers "multi-CPU" for two CPU processes gives: the answer the guide warns against.

@@ -20,6 +20,8 @@ import torch
 from helpers import (REPO, exit_check_env, assert_clean_user_error, code_lines, launch_in_background, load_script, run,
                      training_processes)
 
+from utils.errors import UserError
+
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
 METHODS = ("plain", "ddp", "dataparallel", "accelerate")
@@ -380,6 +382,22 @@ def test_dataparallel_respects_the_users_gpu_selection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     assert benchmark.run_environment(dataparallel, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert "CUDA_VISIBLE_DEVICES" not in benchmark.run_environment(ddp, on_cpu=False)
+
+
+def test_cpu_runs_get_the_users_omp_num_threads_or_the_cores_shared_out(monkeypatch):
+    """On a busy machine 2 threads per process trained 16x slower than 1: the user's OMP_NUM_THREADS, where set, is
+    every CPU run's (else the cores / processes); a value OpenMP cannot take is one error line, not a traceback."""
+    benchmark = load_script(BENCHMARK)
+    one, two = (benchmark.Combination("mnist", "dataloader", "accelerate", "fp32", n) for n in (1, 2))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert [benchmark.run_environment(c, on_cpu=True)["OMP_NUM_THREADS"] for c in (one, two)] == ["8", "4"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert [benchmark.run_environment(c, on_cpu=True)["OMP_NUM_THREADS"] for c in (one, two)] == ["1", "1"]
+    for bad in ("0", "two", "-1", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(UserError, match=f"OMP_NUM_THREADS={bad}: not a positive whole number"):
+            benchmark.cpu_threads(1)
 
 
 def forward_as_a_replica(module, x):

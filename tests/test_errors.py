@@ -4,7 +4,8 @@ import sys
 
 import pytest
 import torch
-from helpers import TRAIN_MNIST, assert_clean_user_error, launch, launcher_args, make_synthetic_mnist, run, run_alone
+from helpers import (TRAIN_MNIST, assert_clean_user_error, error_lines, launch, launcher_args, make_synthetic_mnist,
+                     run, run_alone)
 
 sys.path.insert(0, str(TRAIN_MNIST.parent))
 from train_mnist import parse_args  # noqa: E402
@@ -154,11 +155,38 @@ def test_more_processes_than_gpus_is_caught(data, tmp_path):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_a_machines_other_processes_say_their_line_after_a_wait_that_a_sigterm_ends(monkeypatch, capsys):
+    """In-process: LOCAL_RANK 1 waits OTHERS_WAIT_S (the launcher ends it there once the first process has failed,
+    whatever handler --save_on_signal installed), then says the line itself: a process that failed alone is heard."""
+    import signal
+
+    import utils.errors
+
+    waits = []
+    monkeypatch.setattr(utils.errors.time, "sleep", waits.append)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as --save_on_signal's StopSignal
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            utils.errors.exit_with_error(UserError("disk full"))
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert exit_.value.code == 1 and waits == [utils.errors.OTHERS_WAIT_S]
+    assert capsys.readouterr().err.strip() == "error: disk full"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit):
+        utils.errors.exit_with_error(UserError("disk full"))
+    assert waits == [utils.errors.OTHERS_WAIT_S]  # the first process says it at once
+
+
 def test_missing_data_dir_through_the_launcher_with_two_processes(tmp_path):
-    """Launched as users do, on two processes, each printing the same one line."""
+    """Launched as users do, on two processes: both refuse, and the line is said once, by the first process (the
+    other waits, and the launcher ends it when the first has failed)."""
     out = tmp_path / "out"
     proc = launch(["--data_dir", tmp_path / "nope", "--output_dir", out], num_processes=2, check=False)
     assert_clean_user_error(proc, "--data_dir", "no such directory")
+    assert len(error_lines(proc)) == 1, proc.stdout + proc.stderr
     assert not out.exists(), "nothing may be written for a run that never started"
 
 

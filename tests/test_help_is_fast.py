@@ -147,6 +147,9 @@ def test_help_imports_nothing_that_only_a_run_needs_and_is_fast(measured):
         heavy[name], slow[name] = run_only_modules(modules), round(seconds / baseline, 2)
         if name == "sweep.py":  # it only starts other scripts: not even torch
             assert "torch" not in modules
+    # the Fabric "before" is Lightning Fabric's example: `import lightning_fabric` alone imports torchvision,
+    # torchmetrics, PIL and matplotlib; its converted script is held to the rule
+    heavy.pop("baselines/fabric_mnist.py"), slow.pop("baselines/fabric_mnist.py")
     assert {name: found for name, found in heavy.items() if found} == {}
     assert {name: ratio for name, ratio in slow.items() if ratio > LIMIT} == {}, \
         f"--help slower than {LIMIT} x import torch, accelerate ({baseline:.2f} s of CPU); all: {slow}"

@@ -104,6 +104,19 @@ def test_resnets_get_the_small_stem_up_to_64_px_and_keep_4x4_feature_maps_at_32(
     assert stem_of(build_model("resnext50_32x4d", 10, image_size=32, stem="auto")) == "small"
 
 
+def test_a_small_stem_runs_weights_load_strictly_into_build_model_small_not_into_plain_torchvision():
+    """docs/fsdp.md: a run's whole weights load into a plain torchvision.models.resnet18 with the ImageNet stem only;
+    a small-stem run's (64 px and below, from scratch) into build_model(..., stem="small")."""
+    import torchvision
+
+    small = build_model("resnet18", num_classes=4, image_size=64, stem="auto").state_dict()
+    with pytest.raises(RuntimeError, match=r"conv1.weight: copying a param with shape torch.Size\(\[64, 3, 3, 3\]\)"):
+        torchvision.models.resnet18(num_classes=4).load_state_dict(small)
+    build_model("resnet18", 4, stem="small").load_state_dict(small)  # strict
+    imagenet_stem = build_model("resnet18", 4, image_size=65, stem="auto").state_dict()
+    torchvision.models.resnet18(num_classes=4).load_state_dict(imagenet_stem)
+
+
 def test_pretrained_resnets_keep_their_stem_unless_asked(monkeypatch):
     import torchvision
 

@@ -12,7 +12,7 @@ from helpers import TRAIN_MNIST, assert_clean_user_error, run
 from utils.launch.launch_checks import _accelerate_launch_args
 
 # What `accelerate config` writes for "This machine, multi-CPU, 1 machine, 2 processes", no mpirun
-# (docs/migration_guide.md's answers; tests/test_accelerate_config_questionnaire.py runs the questionnaire).
+# (docs/launching.md's answers; tests/test_accelerate_config_questionnaire.py runs the questionnaire).
 MULTI_CPU_DEFAULT_CONFIG = {
     "compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_CPU", "mixed_precision": "no",
     "num_machines": 1, "num_processes": 2, "machine_rank": 0, "use_cpu": True, "debug": False,

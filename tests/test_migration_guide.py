@@ -1,5 +1,7 @@
-"""docs/migration_guide.md stays true: its snippets run (or at least compile), its commands and
-launch.json name files and flags that exist, and its links lead somewhere.
+"""The migration pages of docs/ stay true: their snippets run (or at least compile), their commands and
+launch.json name files and flags that exist, and their links lead somewhere. The snippets are read from every page
+of docs/ (the guide is split into a page per source and pages of common topics, docs/migration_guide.md indexes
+them), so a snippet keeps running wherever it moves.
 
 Marker convention, on the line before a ```python fence (every Python block needs one):
     <!-- runnable -->                      python snippet.py
@@ -32,8 +34,8 @@ import pytest
 from helpers import EXIT_CHECK, REPO, free_consecutive_ports, free_port, launcher_args, run, threads_left_message
 from doc_commands import bash_commands, check_command
 
-GUIDE_PATH = REPO / "docs" / "migration_guide.md"
-GUIDE = GUIDE_PATH.read_text()
+# Every page of docs/ (the Python and JSON blocks are the migration pages'); its subfolders hold measurements only
+GUIDE_PAGES = sorted((REPO / "docs").glob("*.md"))
 README = (REPO / "README.md").read_text()
 
 FENCE = re.compile(r"(?:<!-- (?P<marker>[^\n]*?) -->\n)?```(?P<lang>\w*)\n(?P<code>.*?)```", re.DOTALL)
@@ -48,14 +50,16 @@ RUNNERS = {
 RUNNER_ENV = {"runnable: horovod stand-in, torchrun 2": {"PYTHONPATH": str(REPO / "tests" / "standins")}}
 
 
-def fenced_blocks(text: str = GUIDE) -> list:
-    """(name, marker, language, code) of every fenced block; name = section slug + line number."""
+def fenced_blocks(pages: list = GUIDE_PAGES) -> list:
+    """(name, marker, language, code) of every fenced block of the pages; name = page, section slug, line number."""
     blocks = []
-    for match in FENCE.finditer(text):
-        line = text.count("\n", 0, match.start("code"))
-        section = ([""] + re.findall(r"^## (.*)$", text[: match.start()], flags=re.MULTILINE))[-1]
-        name = f"{slug(section)[:40]}-L{line}"
-        blocks.append((name, match["marker"], match["lang"], match["code"]))
+    for page in pages:
+        text = page.read_text()
+        for match in FENCE.finditer(text):
+            line = text.count("\n", 0, match.start("code"))
+            section = ([""] + re.findall(r"^## (.*)$", text[: match.start()], flags=re.MULTILINE))[-1]
+            name = f"{page.stem}:{slug(section)[:40]}-L{line}"
+            blocks.append((name, match["marker"], match["lang"], match["code"]))
     return blocks
 
 
@@ -396,6 +400,34 @@ def test_the_process_count_check_stops_a_launch_without_multi_gpu(case_ran):
     assert not ran.succeeded and ran.stderr[0].count(error) == 1, ran.stderr
 
 
+# What `accelerate launch --mixed_precision fp16` sets for the script (this batch is launched with --mixed_precision no)
+FP16 = 'import os\nos.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"\n'
+CASES["fp16_on_the_cpu"] = Case("runnable: accelerate launch 2", FP16 + PROCESS_COUNT_CHECKS)
+
+
+def without_the_fp16_check(code: str) -> str:
+    check_start = code.index('if accelerator.mixed_precision == "fp16"')
+    check_end = code.index("\n", code.index("sys.exit(", check_start)) + 1
+    return code[:check_start] + "print(f'mixed precision {accelerator.mixed_precision}, native_amp {accelerator.native_amp}')\n" + \
+        code[check_end:]
+
+
+CASES["fp16_on_the_cpu_unchecked"] = Case("runnable: accelerate launch 2", FP16 + without_the_fp16_check(PROCESS_COUNT_CHECKS))
+
+
+def test_the_fp16_check_stops_a_cpu_run_that_would_train_in_fp32(case_ran):
+    """The guide's third check: fp16 asked for on CPU processes. Without it the run ends with exit status 0, fp16 named
+    but no autocast (native_amp False: fp32); with it, each process stops with one line."""
+    unchecked = CASES["fp16_on_the_cpu_unchecked"].code
+    assert 'if accelerator.mixed_precision == "fp16"' not in unchecked and "native_amp" in unchecked
+    ran = case_ran("fp16_on_the_cpu_unchecked")
+    assert ran.succeeded and not ran.threads_left, ran.output
+    assert all("mixed precision fp16, native_amp False" in stdout for stdout in ran.stdout), ran.stdout
+    ran = case_ran("fp16_on_the_cpu")
+    error = "error: fp16 mixed precision needs a GPU (on the CPU it would run in fp32); use bf16 or no"
+    assert not ran.succeeded and "".join(ran.stderr).count(error) == 2, ran.stderr
+    assert not any('File "' + ran.script in stderr for stderr in ran.stderr)  # sys.exit: no traceback through it
+
 LOCAL_RANK_SNIPPET = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
 _start, _parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
 # the snippet's parser without its torch and accelerate imports
@@ -476,10 +508,15 @@ def test_compile_only_snippet_compiles(code):
 
 # ---------------------------------------------------------------- commands, launch.json, links
 
-@pytest.mark.parametrize("document", ["docs/migration_guide.md", "README.md"])
+# the pages whose snippets run here, and the README that sends readers to them
+SNIPPET_PAGES = sorted({page.relative_to(REPO).as_posix() for page in GUIDE_PAGES
+                        if any(block[2] == "python" for block in fenced_blocks([page]))})
+
+
+@pytest.mark.parametrize("document", [*SNIPPET_PAGES, "README.md"])
 def test_commands_name_existing_files_and_flags(document, helps):
     commands = bash_commands((REPO / document).read_text())
-    assert commands
+    assert commands or document != "README.md"
     for command in commands:
         check_command(command, helps)
 
@@ -495,9 +532,12 @@ def test_launch_json_runs_the_launcher_on_our_script(helps):
 
 
 def test_links_lead_somewhere():
-    anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", GUIDE, flags=re.MULTILINE)}
-    for target in re.findall(r"\]\(#([^)]+)\)", GUIDE):
-        assert target in anchors, f"no heading for #{target}"
-    for path in set(re.findall(r"`((?:scripts|accelerate_configs|utils|tests|docs)/[\w./-]+)`", GUIDE)):
-        assert (REPO / path).exists(), path
+    assert len(SNIPPET_PAGES) >= 1
+    for page in SNIPPET_PAGES:
+        text = (REPO / page).read_text()
+        anchors = {slug(h) for h in re.findall(r"^#+ (.*)$", text, flags=re.MULTILINE)}
+        for target in re.findall(r"\]\(#([^)]+)\)", text):
+            assert target in anchors, f"{page}: no heading for #{target}"
+        for path in set(re.findall(r"`((?:scripts|accelerate_configs|utils|tests|docs)/[\w./-]+)`", text)):
+            assert (REPO / path).exists(), f"{page}: {path}"
     assert "(docs/migration_guide.md)" in README, "the README links the guide"

@@ -53,3 +53,31 @@ def test_a_run_writes_only_documented_files_and_logs_them_truly(synthetic_mnist,
     assert "gpuGetDeviceCount" not in log and not re.search(r"^ERROR", log, flags=re.M)
     assert results(out)["train_samples_per_second_over"] == "steady_state"
     assert results(out)["train_samples_per_second"] > 0
+
+
+def test_accelerates_fsdp_save_lines_are_hidden_as_the_others(tmp_path, caplog):
+    """In-process: the lines Accelerate logs while save_state writes an FSDP checkpoint (accelerator.py and
+    utils/fsdp_utils.py, Accelerate 1.15's wording, through the loggers utils/run/checkpoints.py filters) name the
+    temporary folder or none: all hidden; a line about a real file and any warning pass. tests/test_fsdp.py checks a
+    real FSDP run's log."""
+    import logging
+
+    import utils.run.checkpoints  # noqa: F401  installs the filters
+
+    tmp, final = tmp_path / ".tmp-step_2", tmp_path / "model.safetensors"
+    final.touch()
+    said = {
+        "accelerate.accelerator": ["Saving FSDP model", f"FSDP Model saved to output dir {tmp}", "Saving FSDP Optimizer",
+                                   f"FSDP Optimizer saved to output dir {tmp}", f"Model weights saved in {final}"],
+        "accelerate.utils.fsdp_utils": [f"Saving model to {tmp}/pytorch_model_fsdp_0",
+                                        f"Model saved to {tmp}/pytorch_model_fsdp_0",
+                                        f"Saving Optimizer state to {tmp}/optimizer_0",
+                                        f"Optimizer state saved in {tmp}/optimizer_0"],
+    }
+    with caplog.at_level(logging.INFO):
+        for name, lines in said.items():
+            for line in lines:  # as Accelerate's get_logger(name).info(line) logs it on process 0
+                logging.getLogger(name).info(f"[RANK 0] {line}")
+        logging.getLogger("accelerate.utils.fsdp_utils").warning(f"[RANK 0] Saving model to {tmp}")
+    assert [record.getMessage() for record in caplog.records] == [
+        f"[RANK 0] Model weights saved in {final}", f"[RANK 0] Saving model to {tmp}"]

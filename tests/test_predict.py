@@ -11,9 +11,11 @@ and the --on_error stop; on 3 processes the image and the MNIST predictions; the
 first prediction, the rows of a corrupt image, the bf16 line and the MNIST export."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,12 +39,11 @@ from helpers import (
 )
 from image_data import make_split_image_folder
 from sample_recorder import job_outcome, jobs_file
-from torch.utils.data import DataLoader, TensorDataset
 
 from utils.data.mnist import load_mnist_idx
 from utils.errors import UserError
 from utils.files import check_writable_file, write_text_atomically
-from utils.report.predictions import Inputs, WholeBatches, predictions_csv, read_inputs, read_trained_run
+from utils.report.predictions import read_inputs, read_trained_run
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
@@ -356,6 +357,20 @@ def test_the_splits_of_an_image_folder_are_those_training_made(image_run, mnist_
         read_inputs(read_trained_run(mnist_run[1]), dataset="uoft-cs/cifar10")
 
 
+def test_an_image_run_without_data_dir_or_dataset_names_both_and_what_it_trained_on(image_run):
+    """In-process: MNIST runs default to ylecun/mnist; an image run has no default, and says what it trained on
+    (before: `could not load --dataset None (TypeError: ...)`)."""
+    data, out = image_run
+    trained = read_trained_run(out)
+    assert trained.run["data"] == str(data.resolve())
+    with pytest.raises(UserError, match=f"with --data_dir .* or --dataset .*; it was trained on --data_dir "
+                                        f"{re.escape(str(data.resolve()))}$"):
+        read_inputs(trained)
+    on_the_hub = dataclasses.replace(trained, run={**trained.run, "data": "uoft-cs/cifar10"})
+    with pytest.raises(UserError, match="it was trained on --dataset uoft-cs/cifar10$"):
+        read_inputs(on_the_hub)
+
+
 def test_best_of_a_run_resumed_with_other_epochs_and_processes_still_predicts(image_run, tmp_path):
     """A resume may change --epochs and the process count (the run folder's run.json then says so, best/'s keeps
     those of its time): best/ is still that run's. A run.json that differs in what defines the run is refused."""
@@ -369,39 +384,6 @@ def test_best_of_a_run_resumed_with_other_epochs_and_processes_still_predicts(im
     (copy / "run.json").write_text(json.dumps({**record, "image_size": 32}))
     with pytest.raises(UserError, match="its run.json is not that of the run in"):
         read_trained_run(copy / "best")
-
-
-def test_the_inputs_are_padded_to_whole_batches_with_copies_of_the_first():
-    """13 inputs in batches of 4: 16 positions, every batch whole (a smaller last batch can round differently,
-    so its probabilities would depend on the process count), positions 13-15 the first 3 inputs again."""
-    inputs = TensorDataset(torch.arange(13).view(13, 1), torch.arange(13) % 4)
-    batches = WholeBatches(inputs, 4, torch.zeros(1, dtype=torch.int64), stop_on_error=True)
-    assert len(batches) == 16
-    assert [len(positions) for _, _, positions, _ in DataLoader(batches, batch_size=4)] == [4, 4, 4, 4]
-    assert [batches[p][0].item() for p in range(16)] == [*range(13), 0, 1, 2]
-    assert [batches[p][2] for p in range(16)] == list(range(16))
-
-
-def test_the_rows_are_in_input_order_whatever_the_order_gathered():
-    """The columns as 2 processes gather them (the padding included), shuffled: one row per input, in input order,
-    each with its own prediction; a position gathered twice, or missing, stops with an error."""
-    inputs = Inputs(TensorDataset(torch.zeros(5, 1), torch.tensor([0, 1, 2, 0, 1])), torch.zeros(1),
-                    ["a", "b", "c"], lambda i: f"eval/{i}", "5 inputs")
-    batches = WholeBatches(inputs.dataset, 4, inputs.blank, stop_on_error=True)
-    positions = torch.tensor([6, 2, 0, 4, 7, 3, 1, 5])  # 5, 6 and 7 are padding: copies of inputs 0, 1 and 2
-    labels = torch.tensor([0, 1, 2, 0, 1, 0, 1, 2])[positions]
-    predicted = (positions + 1) % 3  # each input's own top class, from its position
-    probability = positions / 10
-    columns = tuple([column[:4], column[4:]] for column in (positions, torch.zeros(8, dtype=torch.int64), labels,
-                                                            predicted[:, None], probability[:, None]))
-    text, counts = predictions_csv(columns, inputs, batches, ["a", "b", "c"], top_k=1)
-    assert text.splitlines() == ["index,source,label,class_1,probability_1,error",
-                                 "0,eval/0,a,b,0.000000,", "1,eval/1,b,c,0.100000,", "2,eval/2,c,a,0.200000,",
-                                 "3,eval/3,a,b,0.300000,", "4,eval/4,b,c,0.400000,"]
-    assert counts == {"labelled": 5, "correct": 0, "unreadable": 0}
-    twice = tuple([torch.cat(column)[[2, 1, 1, 5, 3]]] for column in columns)  # inputs 0, 2, 2, 3, 4: 1 is missing
-    with pytest.raises(RuntimeError, match="not each once"):
-        predictions_csv(twice, inputs, batches, ["a", "b", "c"], top_k=1)
 
 
 def test_an_output_file_that_is_a_folder_or_in_a_file_is_refused_before_the_work(tmp_path):

@@ -16,7 +16,7 @@ README = (REPO / "README.md").read_text()
 DOCUMENTS = documents()
 MIGRATION_PAIRS = ("minimal_mnist.py", "minimal_mnist_plain.py", "converted_ddp_imagenet_style.py", "ddp_imagenet_style.py",
                    "converted_horovod_style.py", "horovod_mnist.py", "converted_apex_amp_style.py",
-                   "apex_amp_imagenet_style.py")
+                   "apex_amp_imagenet_style.py", "converted_fabric_style.py", "fabric_mnist.py")
 
 
 def text_of(document: str) -> str:
@@ -65,10 +65,41 @@ def test_the_readme_is_a_front_page_that_links_every_page():
     for heading in ("## Quickstart", "## The minimal pair", "## The complete scripts", "## Choosing a topology",
                     "## Capabilities"):
         assert f"\n{heading}\n" in README, heading
-    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", README))
-    unlinked = [page for page in DOCUMENTS[1:] if page.count("/") == 1 and page not in linked]
-    assert not unlinked, f"link these pages from the README: {unlinked}"
+    assert "](docs/README.md)" in README, "the README links the documentation's front door"
 
+
+def test_the_documentations_front_door_links_every_page_in_its_reading_order():
+    front = text_of("docs/README.md")
+    sections = re.findall(r"^## (.*)$", front, flags=re.M)
+    assert [title.split(" ", 1)[0] for title in sections] == ["1.", "2.", "3.", "4."], sections  # the reading order
+    assert sections[0].endswith("Start here") and sections[1].startswith("2. By where you come from")
+    linked = {(REPO / "docs" / target).resolve() for target in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", front)}
+    unlinked = [page for page in DOCUMENTS[1:] if page.count("/") == 1 and page != "docs/README.md"
+                and (REPO / page).resolve() not in linked]
+    assert not unlinked, f"link these pages from docs/README.md: {unlinked}"
+
+
+def table_cells(text: str) -> list:
+    """The cells of the text's Markdown tables (code blocks left out; a | inside `code` does not end a cell)."""
+    cells = []
+    for line in re.sub(r"```.*?```", "", text, flags=re.S).splitlines():
+        if line.startswith("|"):
+            cells += [cell.strip() for cell in re.findall(r"(?:`[^`]*`|[^|`])+", line.strip().strip("|"))]
+    return cells
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_no_page_over_700_lines_and_no_table_cell_over_400_characters(document):
+    """A reader finds a page's subject: a longer page is split by source or topic (docs/README.md), and a paragraph
+    goes under a heading, with a link from its table row."""
+    text = text_of(document)
+    assert text.count("\n") <= 700, f"{document} has {text.count(chr(10))} lines: split it"
+    long_cells = [cell[:60] for cell in table_cells(text) if len(cell) > 400]
+    assert not long_cells, f"{document}: move these cells' paragraphs under a heading: {long_cells}"
+
+
+def test_table_cells_are_split_at_bars_outside_code():
+    assert table_cells("| `a | b` | c |\n|---|---|\n```\n| x |\n```\n") == ["`a | b`", "c", "---", "---"]
 
 def test_the_readme_says_the_complete_scripts_are_copied_with_utils():
     assert "The complete scripts are copied together with `utils/`" in README
@@ -203,6 +234,7 @@ RUN_ELSEWHERE = {
     "scripts/converted_horovod_style.py": "tests/test_whole_script_conversion.py runs it beside its Horovod original",
     "scripts/converted_apex_amp_style.py": "takes its data as a positional argument: "
                                            "tests/test_whole_script_conversion.py runs it",
+    "scripts/converted_fabric_style.py": "tests/test_whole_script_conversion.py runs it beside its Fabric original",
 }
 RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
 # Launches (launcher flags and script, as first_command_per_topology tells them apart) that another test already makes

@@ -189,7 +189,7 @@ def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(processes
     """50 samples at --batch_size 8: 7 batches, the last of 2 samples. Accelerate (even_batches, drop_last False)
     gives every process as many full batches (2 processes: 4 each, 64 samples; 3: 3 each, 72): the epoch's shuffle
     once, then its first 14 (22) samples again, completing the batch of 2 and whole batches after it, and nothing
-    else. What the script's docstring and docs/migration_guide.md ("Uneven data") say."""
+    else. What the script's docstring and docs/data_and_evaluation.md ("Uneven data") say."""
     root = mnist_runs[0]
     log = root / f"padded{processes}.log"
     assert_ok(log, processes)
@@ -296,7 +296,7 @@ def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest
 def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
     """100 images: 8 full rounds of 2 batches of 6 (2 processes) or 4 rounds of 3 batches of 8 (3 processes) and 4
     images more, which drop_last leaves out: an epoch trains 96 distinct images and never the other 4 (a different 4
-    each epoch), as many on each process. What the script's docstring and docs/migration_guide.md ("Uneven data")
+    each epoch), as many on each process. What the script's docstring and docs/data_and_evaluation.md ("Uneven data")
     say. Read from the runs above: epochs 0 and 1 of the 2-process run, epoch 1 of the resumed 3-process run (whole;
     its DataLoader workers' logs)."""
     root, full, resumed = classifier_runs

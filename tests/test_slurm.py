@@ -397,3 +397,43 @@ def test_multinode_fsdp_job_gives_every_node_the_fsdp_launch(cluster, data, tmp_
     r = results(tmp_path / "out")
     assert r["num_processes"] == 2 and r["sharded"] is True and r["mixed_precision"] == "bf16", r
     assert r["samples_seen"] == 256 and r["global_step"] == 256 // (2 * BATCH_SIZE), r
+
+
+def documented_cpu_only_commands() -> list:
+    """docs/slurm.md's two submissions on a cluster without GPUs: submit_multigpu's, then submit_multinode's."""
+    section = (REPO / "docs" / "slurm.md").read_text().split("### On a cluster without GPUs", 1)[1]
+    return re.search(r"```sh\n(.*?)```", section, flags=re.DOTALL).group(1).strip().splitlines()
+
+
+@pytest.fixture
+def cluster_without_gpus(tmp_path):
+    """Two nodes that declare no GPUs, and no GresTypes: what a CPU-only cluster is to sbatch."""
+    cluster = start_cluster(tmp_path / "cluster", gpus_per_node=0)
+    yield cluster
+    cluster.stop()
+
+
+def test_the_scripts_run_on_a_cluster_without_gpus_as_documented(cluster_without_gpus, data, tmp_path):
+    """The scripts as they are: refused there (their #SBATCH GPU lines). docs/slurm.md's commands, which drop those
+    lines as they submit: the multinode one accepted (`--test-only`), the one-node one run to its end on 2 processes."""
+    cluster = cluster_without_gpus
+
+    def bash(command):
+        return subprocess.run(["bash", "-c", command], cwd=REPO, env=cluster.env, capture_output=True, text=True,
+                              timeout=60, check=False)
+
+    for script in ("submit_multigpu.sbatch", "submit_multinode.sbatch"):
+        refused = bash(f"CPU=1 sbatch --test-only {SLURM_DIR / script}")
+        assert refused.returncode != 0 and "Invalid generic resource (gres) specification" in refused.stderr, script
+    one_node, multinode = documented_cpu_only_commands()
+    accepted = bash(multinode.replace(" sbatch ", " sbatch --test-only ", 1))
+    assert accepted.returncode == 0 and " to start at " in accepted.stderr, accepted.stderr
+    output_dir = tmp_path / "out"
+    submitted = bash(one_node.replace(" sbatch ", f" sbatch --parsable --output={tmp_path}/%x-%j.out ", 1)
+                     .replace("path/to/MNIST/raw", str(data))
+                     + f" --output_dir {output_dir} --epochs 1 --max_train_samples 256 --batch_size {BATCH_SIZE}")
+    assert submitted.returncode == 0, submitted.stderr
+    log = finish(cluster, submitted.stdout.split(";")[0].strip(), tmp_path, timeout=300)
+    assert "2 processes" in log, log
+    r = results(output_dir)
+    assert (r["num_processes"], r["samples_seen"], r["global_step"]) == (2, 256, 256 // (2 * BATCH_SIZE)), r

@@ -9,11 +9,14 @@ of best/ runs alone (run_alone: no launcher around it)."""
 
 import importlib.util
 import json
+import os
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, results, run_alone
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, results, run_alone
 from image_data import make_split_image_folder
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
@@ -200,9 +203,12 @@ def test_a_tracker_that_is_not_installed_is_one_line(monkeypatch, capsys):
         ": --report_to wandb: the wandb package is not installed; pip install -r requirements-trackers.txt (see --help)")
 
 
-def test_with_tracking_is_report_to_tensorboard_and_all_is_every_installed_tracker():
+def test_with_tracking_is_report_to_tensorboard_and_all_is_every_installed_tracker(monkeypatch):
+    import utils.launch.flags
     from utils.launch.flags import build_mnist_parser, check_flag_combinations
 
+    # W&B's login check has tests of its own (below), in processes of their own: wandb keeps its settings per process
+    monkeypatch.setattr(utils.launch.flags, "check_wandb_login", lambda parser, report_to: None)
     parser = build_mnist_parser("test")
     for argv, expected in ((["--with_tracking"], ["tensorboard"]), ([], []),
                            (["--report_to", "mlflow", "--with_tracking"], ["mlflow", "tensorboard"])):
@@ -212,6 +218,70 @@ def test_with_tracking_is_report_to_tensorboard_and_all_is_every_installed_track
     args = parser.parse_args(["--report_to", "all"])
     check_flag_combinations(parser, args)
     assert "tensorboard" in args.report_to and set(args.report_to) <= {"tensorboard", "mlflow", "wandb"}
+
+
+def without_wandb_credentials(monkeypatch, home):
+    """This process's environment as a new user's who installed W&B but never logged in: an empty HOME (no ~/.netrc,
+    no W&B settings), no WANDB_* variables (WANDB_MODE unset: online), and W&B's server at a closed local port, so
+    that nothing can wait on the network."""
+    for name in [name for name in os.environ if name.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(name, raising=False)
+    home.mkdir(exist_ok=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / ".config" / "wandb"))
+    monkeypatch.chdir(home)  # W&B's workspace settings (./wandb/settings) and MLflow's default store: here
+
+
+def test_wandb_without_credentials_is_one_line_before_any_tracker_starts(monkeypatch, tmp_path, synthetic_mnist):
+    """`--report_to all` with W&B installed, never logged in: one `error:` line naming the fixes, before anything is
+    written: no output folder, no MLflow run (before: wandb's UsageError traceback in init_trackers, and an empty
+    MLflow run, FINISHED, in mlflow.db)."""
+    pytest.importorskip("wandb", reason="wandb is an optional install: pip install -r requirements-trackers.txt")
+    pytest.importorskip("mlflow", reason=MLFLOW_MISSING)
+    home = tmp_path / "home"
+    without_wandb_credentials(monkeypatch, home)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # MLflow's default store: mlflow.db in the working folder
+    proc = run_alone(["--data_dir", synthetic_mnist, "--output_dir", tmp_path / "out", "--epochs", "1",
+                      "--max_train_samples", "64", "--report_to", "all"], check=False, timeout=300, cwd=home)
+    assert_clean_user_error(proc, "--report_to all: W&B cannot log online: it has no API key here (not logged in)",
+                            "`wandb login`", "WANDB_MODE=offline", "another --report_to")
+    assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr
+    assert not {"mlflow.db", "mlruns", "wandb"} & {path.name for path in home.iterdir()}, list(home.iterdir())
+
+
+WANDB_CHECK = ("from utils.launch.flags import build_mnist_parser, check_flag_combinations; "
+               "parser = build_mnist_parser('t'); args = parser.parse_args(['--report_to', 'wandb']); "
+               "check_flag_combinations(parser, args); print(args.report_to)")
+
+
+@pytest.mark.parametrize("case, status, said", [
+    ("malformed WANDB_API_KEY", 2, "W&B cannot log online: WANDB_API_KEY invalid: API key must have 40+ characters"),
+    ("an API key in ~/.netrc", 0, "['wandb']"),
+    ("WANDB_MODE=offline", 0, "['wandb']"),
+])
+def test_wandb_logs_online_only_with_credentials_and_offline_without(monkeypatch, tmp_path, case, status, said):
+    """The check alone, in a process of its own (wandb reads its settings once per process), without the network
+    (no credentials at all: the test above). WANDB_MODE=dryrun and disabled are read as offline is, by wandb."""
+    pytest.importorskip("wandb", reason="wandb is an optional install: pip install -r requirements-trackers.txt")
+    home = tmp_path / "home"
+    without_wandb_credentials(monkeypatch, home)
+    if case == "malformed WANDB_API_KEY":
+        monkeypatch.setenv("WANDB_API_KEY", "abc")
+    elif case == "an API key in ~/.netrc":
+        # as `wandb login` writes it: the server's host and port, the key as password
+        (home / ".netrc").write_text(f"machine 127.0.0.1:9 login user password {'0' * 40}\n")
+        (home / ".netrc").chmod(0o600)
+    elif case.startswith("WANDB_MODE="):
+        monkeypatch.setenv("WANDB_MODE", case.split("=")[1])
+    proc = subprocess.run([sys.executable, "-c", WANDB_CHECK], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    if status:
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("error: ") and said in line, line
+    else:
+        assert proc.stdout.strip().splitlines()[-1] == said, proc.stdout + proc.stderr
 
 
 def wandb_records(path):

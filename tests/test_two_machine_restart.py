@@ -125,3 +125,23 @@ def test_a_rank_killed_on_machine_1_restarts_both_machines_and_the_run_matches_t
     for key in ("parameter_fingerprints", "eval_accuracy", "eval_loss"):
         assert resumed[key] == uninterrupted[key], key
     assert (out / "model.safetensors").read_bytes() == (reference_out / "model.safetensors").read_bytes()
+
+
+def test_a_launcher_killed_leaves_its_processes_and_the_others_wait_in_torchs_exit_barrier():
+    """In-process: what docs/troubleshooting.md says of a machine's launcher killed with `kill -9`. torchrun starts
+    each training process in a session of its own (a signal to the launcher's process group misses it), and its
+    agent waits for every machine's agent after its processes ended, 300 s, set by nothing a launch passes."""
+    import inspect
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+    from torch.distributed.launcher.api import LaunchConfig
+
+    handler = SubprocessHandler("sleep", ("30",), {}, None, None, local_rank_id=0, numa_options=None)
+    try:
+        assert os.getsid(handler.proc.pid) == handler.proc.pid != os.getsid(0)
+    finally:
+        handler.close(signal.SIGKILL)
+    assert inspect.signature(LocalElasticAgent).parameters["exit_barrier_timeout"].default == 300
+    assert not [name for name in inspect.signature(LaunchConfig).parameters if "barrier" in name]

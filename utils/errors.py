@@ -1,7 +1,13 @@
 """User-caused errors: one clear line, a non-zero exit, no traceback."""
 
+import contextlib
 import os
+import signal
 import sys
+import time
+
+# How long a machine's other processes leave its first process to say an error line they all reached (below)
+OTHERS_WAIT_S = 3
 
 
 class UserError(Exception):
@@ -17,9 +23,15 @@ def first_line(error, limit: int = 200) -> str:
 
 
 def exit_with_error(error, status: int = 1) -> None:
-    # Every rank prints: they all run the same code on the same inputs, and printing on
-    # rank 0 only would lose the message when another rank fails first and the launcher
-    # stops rank 0 before it gets there.
+    # Said once per machine, by its first process (LOCAL_RANK 0): the processes run the same code on the same inputs,
+    # so a refusal reaches all of them. The others wait a moment first, in which the launcher, once the first process
+    # has failed, ends them (SIGTERM, whatever handler --save_on_signal set). One that fails alone (its own shard, a
+    # full disk) is not ended so, and says its line after the wait: no line is lost to a launcher that stopped the
+    # first process before it got there.
+    if int(os.environ.get("LOCAL_RANK", "0")) > 0:
+        with contextlib.suppress(ValueError):  # signal.signal works in the main thread only
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(OTHERS_WAIT_S)
     text = str(error)
     if "Original Traceback" in text:  # raised in a DataLoader worker, which wraps it in the worker's traceback
         text = text.rstrip().splitlines()[-1].split("UserError: ", 1)[-1]

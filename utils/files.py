@@ -5,7 +5,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from utils.errors import UserError
+from .errors import UserError
 
 
 def write_json_atomically(path, data: dict) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from utils.errors import UserError, first_line
+from .errors import UserError, first_line
 
 # torchvision is imported in the functions that use it: it takes a second to import, which `--help` need not wait for
 

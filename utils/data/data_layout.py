@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from utils.errors import UserError, first_line
+from ..errors import UserError, first_line
 
 SHOWN = 3  # files or folders named in one error line
 

@@ -6,7 +6,7 @@ import io
 import torch
 
 # simplejpeg and PIL are imported in the functions that use them: `--help` need not wait for them
-from utils.data.image_modes import viewer_rgb
+from ..data.image_modes import viewer_rgb
 
 # libjpeg-turbo decodes at 1/2, 1/4 and 1/8 with its fast (SIMD) inverse DCTs; its other scales (3/8, 5/8...) take
 # longer than a full decode on photos
@@ -30,14 +30,21 @@ def region_scaled(region: dict, size, shape) -> dict:
 def jpeg_size(data: bytes):
     """(height, width) of a JPEG that decode_rgb decodes with simplejpeg (stored upright), from its header; None for
     other files, and where the header does not read (decoding then names the problem)."""
+    header = jpeg_header(data)
+    return None if header is None else header[:2]
+
+
+def jpeg_header(data: bytes):
+    """(height, width, colour space: "YCbCr", "Gray", "CMYK", ...) of an upright JPEG, from its header; None as for
+    jpeg_size."""
     import simplejpeg
     if not _is_upright_jpeg(data):
         return None
     try:
-        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+        height, width, colourspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
-    return height, width
+    return height, width, colourspace
 
 
 def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:

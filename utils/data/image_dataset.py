@@ -6,9 +6,9 @@ import contextlib
 import numpy as np
 import torch
 
-from utils.data.data_layout import MISSING_IMAGE
-from utils.data.decoding import decode_rgb
-from utils.errors import UserError
+from ..data.data_layout import MISSING_IMAGE
+from ..data.decoding import decode_rgb
+from ..errors import UserError
 
 
 def collate_images(samples: list):
@@ -41,7 +41,7 @@ class TransformedImages(torch.utils.data.Dataset):
 
     def source_of(self, index) -> str:
         """The file (or dataset row) an image comes from."""
-        return _source_of(self.dataset[index][self.image_column], index)
+        return image_source(self.dataset[index][self.image_column], index)
 
     def file_of(self, index):
         """The file the image is read from, or None where the data set holds the image's bytes."""
@@ -71,8 +71,12 @@ class TransformedImages(torch.utils.data.Dataset):
                 for index, image, label in zip(indices, rows[self.image_column], rows[self.label_column], strict=True)]
 
     def _sample(self, index, image, label):
-        seed_entropy = [self.seed, self.epoch, index]
-        return decode_and_transform(image_bytes(image), self.transform, seed_entropy, _source_of(image, index)), label
+        return decode_and_transform(image_bytes(image), self.transform, self.seed_entropy(index),
+                                    image_source(image, index)), label
+
+    def seed_entropy(self, index) -> list:
+        """What seeds sample `index`'s augmentation this epoch (augmentation_seeded)."""
+        return [self.seed, self.epoch, index]
 
 
 def image_bytes(image: dict) -> bytes:
@@ -87,7 +91,8 @@ def image_bytes(image: dict) -> bytes:
         return file.readall()
 
 
-def _source_of(image: dict, index: int) -> str:
+def image_source(image: dict, index: int) -> str:
+    """The file an image comes from, or its row of the data set where it holds the bytes."""
     return image.get("path") or f"image {index} of the dataset"
 
 
@@ -103,11 +108,16 @@ def decode_and_transform(data: bytes, transform, seed_entropy: list, source: str
             raise UserError(f"{source} cannot be decoded ({type(err).__name__}: {err}); replace it with a good copy, "
                             f"or delete it") from None
 
-    # evaluation draws nothing: there the seeding would be a twentieth of an image's cost
-    seeded = (cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0]))
-              if transform.draws_random_numbers else contextlib.nullcontext())
-    with seeded:
+    with augmentation_seeded(transform, seed_entropy):
         return transform.apply_to_file(data, decode)
+
+
+def augmentation_seeded(transform, seed_entropy: list):
+    """A block in which `transform` draws its random numbers for the sample `seed_entropy` names (seed, epoch, and what
+    names the sample): the same draws wherever and however the sample is loaded."""
+    if not transform.draws_random_numbers:  # evaluation: there the seeding would be a twentieth of an image's cost
+        return contextlib.nullcontext()
+    return cpu_generator_seeded(int(np.random.SeedSequence(seed_entropy).generate_state(1)[0]))
 
 
 @contextlib.contextmanager

@@ -4,9 +4,9 @@ image and label columns found; a folder of new images for predictions."""
 from pathlib import Path
 
 # datasets is imported in the functions that use it: it takes seconds to import, which `--help` need not wait for
-from utils.data.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
-from utils.data.labels import encode_labels, sorted_label_values
-from utils.errors import UserError, first_line
+from ..data.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
+from ..data.labels import encode_labels, sorted_label_values
+from ..errors import UserError, first_line
 
 EVAL_SPLITS = ("validation", "test")  # `imagefolder` names a val/ folder "validation"
 

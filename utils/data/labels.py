@@ -6,7 +6,7 @@ strings in string order. `datasets`' class_encode_column sorts the values as str
 each split on its own (a class missing from one split shifts the ids of the others), so it is not used here.
 """
 
-from utils.errors import UserError
+from ..errors import UserError
 
 
 def sorted_label_values(values, source: str) -> list:

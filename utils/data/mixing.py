@@ -13,8 +13,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from utils.data.image_dataset import cpu_generator_seeded
-from utils.errors import UserError
+from ..data.image_dataset import cpu_generator_seeded
+from ..errors import UserError
 
 # Seeds the mixing's draws apart from the augmentations' (seed, epoch, index). Not 0: numpy's SeedSequence pads its
 # entropy with zeros, so [seed, epoch, index, 0] would draw exactly what [seed, epoch, index] draws.

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from utils.errors import UserError
+from ..errors import UserError
 
 # File names as torchvision's MNIST/raw folder has them; each may also end in .gz.
 MNIST_FILES = {

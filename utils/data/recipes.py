@@ -10,7 +10,7 @@ measures this against the earlier float pipeline (docs/benchmarks/cpu_input_pipe
 import torch
 
 # torchvision is imported in the functions that use it: it takes seconds to import, which `--help` need not wait for
-from utils.data.decoding import jpeg_size, reduction_for, region_scaled
+from ..data.decoding import jpeg_size, reduction_for, region_scaled
 
 # --augmentation auto: the ImageNet recipe from this side up; below it, the small-image one.
 SMALL_IMAGE_LIMIT = 128
@@ -176,12 +176,29 @@ class _TensorCompose:
         image = decode(reduction_for(region, first.size))
         return self._apply(self.transforms[1:], first.transform(image, region_scaled(region, size, image.shape[1:])))
 
+    @property
+    def decodes_on_device(self) -> bool:
+        """Whether --decode_on_device can do these steps after nvJPEG's decode (utils/data/device_decoding.py): a
+        region resized (the random crop, the central crop, the whole image), then flips, and nothing else."""
+        from torchvision.transforms import v2
+        return isinstance(self.transforms[0], _RegionResized) and all(
+            isinstance(t, v2.RandomHorizontalFlip) for t in self.transforms[1:])
+
+    def draws_for_size(self, height: int, width: int) -> tuple:
+        """(region, flipped) of an image of `height` x `width` for the steps decodes_on_device takes: the random draws
+        apply_to_file makes for it, in its order (the first step's region, then each flip's coin), so that a sample
+        seeded alike gets the same crop box and flip on either path."""
+        region, flipped = self.transforms[0].region(height, width), False
+        for transform in self.transforms[1:]:
+            flipped ^= _flip_drawn(transform)
+        return region, flipped
+
     @staticmethod
     def _apply(transforms, image):
         from torchvision.transforms import v2
         for transform in transforms:
             if isinstance(transform, v2.RandomHorizontalFlip):
-                if torch.rand(1) < transform.p:
+                if _flip_drawn(transform):
                     image = transform.transform(image, {})
             else:
                 image = transform.transform(image, transform.make_params([image]))
@@ -191,3 +208,6 @@ class _TensorCompose:
         return "\n".join([f"{type(self).__name__}(", *(f"    {t}" for t in self.transforms), ")"])
 
 
+def _flip_drawn(flip) -> bool:
+    """A v2.RandomHorizontalFlip's coin, drawn as v2's random-apply transforms draw it."""
+    return bool(torch.rand(1) < flip.p)

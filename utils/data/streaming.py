@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from utils.data.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
-from utils.data.image_dataset import decode_and_transform, image_bytes
-from utils.data.image_loading import EVAL_SPLITS, column_of_type
-from utils.data.labels import class_names_of, encode_labels, sorted_label_values
-from utils.errors import UserError, first_line
+from ..data.data_layout import check_every_row_has_an_image, check_image_folder, mixed_extensions_error
+from ..data.image_dataset import decode_and_transform, image_bytes
+from ..data.image_loading import EVAL_SPLITS, column_of_type
+from ..data.labels import class_names_of, encode_labels, sorted_label_values
+from ..errors import UserError, first_line
 
 # Examples held in the shuffle buffer of each DataLoader worker: a shuffle across shards (their order is shuffled per
 # epoch too) and within this window. Bigger mixes better and costs memory (encoded images: ~100 KB each for photos).

@@ -9,7 +9,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from utils.errors import exit_with_error
+from ..errors import exit_with_error, first_line
+
 
 DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's value means the same here
 
@@ -308,7 +309,28 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
         parser.error(f"--report_to {args.report_to}: the {args.report_to} package is not installed; "
                      f"pip install -r requirements-trackers.txt")
     chosen = {"all": installed, "none": []}.get(args.report_to, [args.report_to])
+    if "wandb" in chosen:
+        check_wandb_login(parser, args.report_to)
     args.report_to = sorted({*chosen, *(["tensorboard"] if args.with_tracking else [])})
+
+
+def check_wandb_login(parser: ArgumentParser, report_to: str) -> None:
+    """W&B online without credentials: wandb.init raises its UsageError (a traceback) in init_trackers, after the
+    trackers before it started their runs (an empty MLflow run left behind). Refused before anything starts, with
+    wandb's own lookup (WANDB_API_KEY, its settings files, ~/.netrc; no network, no prompt)."""
+    import wandb
+    from wandb.sdk import wandb_setup  # the settings wandb.login reads (wandb.setup() would also start W&B's service)
+
+    if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):  # WANDB_MODE or `wandb offline`
+        return
+    try:
+        logged_in, why = wandb.login(prompt=False, verify=False), "it has no API key here (not logged in)"
+    except wandb.errors.Error as err:  # a malformed WANDB_API_KEY, say
+        logged_in, why = False, first_line(err)
+    if not logged_in:
+        parser.error(f"--report_to {report_to}: W&B cannot log online: {why}; run `wandb login` (or set "
+                     f"WANDB_API_KEY), or log offline with WANDB_MODE=offline (`wandb sync` uploads it later), or "
+                     f"choose another --report_to")
 
 
 # Shared flags that only scripts/train_mnist.py implements: the baselines and

@@ -4,7 +4,7 @@ Accelerator is built, each ending with one `error:` line."""
 import os
 from pathlib import Path
 
-from utils.errors import UserError
+from ..errors import UserError
 
 FSDP_NEEDS_DEVICES = ("the launch asks for FSDP, but this machine has no GPUs to shard the model over; add --cpu after "
                       "the script's name to shard it over CPU processes (docs/fsdp.md)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from utils.errors import UserError, exit_with_error
+from ..errors import UserError, exit_with_error
 
 
 def check_launch_config(path) -> str:

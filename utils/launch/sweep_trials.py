@@ -14,7 +14,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from utils.errors import UserError
+from ..errors import UserError
 
 TRIAL_RECORD = "sweep_trial.json"  # in each trial's folder: {"command": ..., "exit_code": ...}
 RESULTS = "results.json"  # what a finished run of our scripts writes last

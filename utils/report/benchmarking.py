@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from utils.errors import UserError
-from utils.files import write_json_atomically
+from ..errors import UserError
+from ..files import write_json_atomically
 
 def autocast_dtype(mixed_precision, device: torch.device):
     """torch's native AMP dtype for --mixed_precision (None: full fp32), as Accelerate chooses it.

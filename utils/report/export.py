@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from utils.errors import UserError, first_line
+from ..errors import UserError, first_line
 
 ONNX_TOLERANCE = 1e-4  # largest absolute difference of the logits to PyTorch's (fp32) that the export accepts
 

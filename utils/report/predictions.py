@@ -1,12 +1,10 @@
 """Prediction with what a training run wrote (scripts/predict.py): the run's records read back and its model
-rebuilt from them, the inputs as its evaluation read them, and the predictions file's rows."""
+rebuilt from them, and the inputs as its evaluation read them (the predictions file's rows:
+utils/report/prediction_rows.py)."""
 
 import bisect
-import csv
-import io
 import itertools
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -15,14 +13,14 @@ import torch
 from safetensors.torch import load_file
 from torch.utils.data import ConcatDataset, Dataset, Subset, TensorDataset
 
-from utils.data.image_dataset import TransformedImages
-from utils.data.image_loading import load_image_datasets, load_unlabelled_images
-from utils.data.mnist import load_mnist
-from utils.data.recipes import eval_transform
-from utils.errors import UserError, first_line
-from utils.models import ConvNet, build_model
-from utils.run.ema import EMA_WEIGHTS
-from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..data.image_dataset import TransformedImages
+from ..data.image_loading import load_image_datasets, load_unlabelled_images
+from ..data.mnist import load_mnist
+from ..data.recipes import eval_transform
+from ..errors import UserError, first_line
+from ..models import ConvNet, build_model
+from ..run.ema import EMA_WEIGHTS
+from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 WEIGHTS, RESULTS = "model.safetensors", "results.json"
 WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average
@@ -150,6 +148,11 @@ def read_inputs(trained: TrainedRun, data_dir=None, dataset=None, split="eval", 
         blank = torch.zeros(1, 28, 28, dtype=torch.uint8)
     else:
         run = trained.run
+        if data_dir is None and dataset is None:  # MNIST's default, ylecun/mnist, has no counterpart here
+            trained_on = f"--data_dir {run['data']}" if Path(run["data"]).is_absolute() else f"--dataset {run['data']}"
+            raise UserError(f"--model_dir {trained.folder} is an image classifier: name the images to predict with "
+                            f"--data_dir (an image folder) or --dataset (a Hub data set or a folder of data files); "
+                            f"it was trained on {trained_on}")
         folder = Path(data_dir) if data_dir is not None else None
         if folder is not None and folder.is_dir() and not any(p.is_dir() and not p.name.startswith(".")
                                                               for p in folder.iterdir()):
@@ -178,70 +181,3 @@ def read_inputs(trained: TrainedRun, data_dir=None, dataset=None, split="eval", 
         return (file_of and file_of(index)) or f"{splits[part]}/{index - starts[part]}"
 
     return Inputs(inputs, blank, label_names, source_of, f"split {'+'.join(splits)} of {where}")
-
-
-class WholeBatches(Dataset):
-    """The inputs padded to whole batches with copies of the first ones; item p: (image, label, p, unreadable).
-
-    With every batch whole, each input is predicted in the same batch, beside the same inputs, on any number
-    of processes: process k of N takes batches k, k + N, ... and Accelerate evens out the last round with
-    whole batches. A smaller last batch could round differently (kernels are chosen by batch size), so the
-    probabilities would not be the same bits on every process count. Positions past the inputs are dropped
-    after gathering. An image that cannot be decoded comes as `blank`, flagged, unless `stop_on_error`."""
-
-    def __init__(self, inputs: Dataset, batch_size: int, blank: torch.Tensor, stop_on_error: bool):
-        self.inputs, self.blank, self.stop_on_error = inputs, blank, stop_on_error
-        self.length = math.ceil(len(inputs) / batch_size) * batch_size
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, position):
-        try:
-            image, label = self.inputs[position % len(self.inputs)]
-            return image, label, position, 0
-        except UserError:
-            if self.stop_on_error:
-                raise
-            return self.blank, -1, position, 1
-
-    def error_of(self, index: int) -> str:
-        """Why input `index` could not be read (its UserError's line)."""
-        try:
-            self.inputs[index]
-        except UserError as err:
-            return str(err)
-        return ""
-
-
-def predictions_csv(columns, inputs: Inputs, errors: WholeBatches, class_names: list, top_k: int) -> tuple:
-    """The predictions file's text, from the gathered columns (positions, unreadable flags, labels, top-k class
-    ids and probabilities) in any order, with the padding; and its counts: inputs labelled and readable, those
-    whose top-1 class is their label, and the unreadable ones. One row per input, in input order; probabilities
-    with 6 decimals."""
-    positions, unreadable, labels, classes, probabilities = (torch.cat(column).cpu() for column in columns)
-    keep = positions < len(inputs.dataset)  # the padding to whole batches
-    order = positions[keep].argsort()
-    positions, unreadable, labels, classes, probabilities = (
-        column[keep][order] for column in (positions, unreadable, labels, classes, probabilities))
-    if not torch.equal(positions, torch.arange(len(inputs.dataset))):
-        raise RuntimeError(f"gathered {len(positions)} rows for {len(inputs.dataset)} inputs, not each once")
-    text = io.StringIO()
-    writer = csv.writer(text, lineterminator="\n")
-    writer.writerow(["index", "source", "label", *[f"{name}_{rank}" for rank in range(1, top_k + 1)
-                                                   for name in ("class", "probability")], "error"])
-    counts = {"labelled": 0, "correct": 0, "unreadable": 0}
-    for index, bad, label, top_classes, top_probabilities in zip(
-            positions.tolist(), unreadable.tolist(), labels.tolist(), classes.tolist(), probabilities.tolist()):
-        label_name = inputs.label_names[label] if label >= 0 else ""
-        if bad:
-            counts["unreadable"] += 1
-            writer.writerow([index, inputs.source_of(index), label_name, *[""] * (2 * top_k), errors.error_of(index)])
-            continue
-        predicted = [class_names[c] for c in top_classes]
-        writer.writerow([index, inputs.source_of(index), label_name,
-                         *[cell for name, p in zip(predicted, top_probabilities) for cell in (name, f"{p:.6f}")], ""])
-        if label_name:
-            counts["labelled"] += 1
-            counts["correct"] += predicted[0] == label_name
-    return text.getvalue(), counts

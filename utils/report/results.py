@@ -5,12 +5,12 @@ from pathlib import Path
 import torch
 from accelerate.utils import is_compiled_module
 
-from utils.files import write_json_atomically
-from utils.report.meters import ThroughputMeter, peak_memory_mb
-from utils.run.fingerprints import fingerprint, replica_fingerprints
-from utils.run.fsdp import parameter_bytes
-from utils.run.run_folder import EVAL_RESULTS
-from utils.run.run_record import read_run_record
+from ..files import write_json_atomically
+from ..report.meters import ThroughputMeter, peak_memory_mb
+from ..run.fingerprints import fingerprint, replica_fingerprints
+from ..run.fsdp import parameter_bytes
+from ..run.run_folder import EVAL_RESULTS
+from ..run.run_record import read_run_record
 
 
 def report_run(accelerator, model, meter: ThroughputMeter, progress, results: dict, checkpoint, plan, output_dir,

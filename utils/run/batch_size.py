@@ -6,8 +6,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, find_executable_batch_size
 from torch.utils.data import default_collate
 
-from utils.errors import UserError
-from utils.run.resume import accumulation_keeping
+from ..errors import UserError
+from ..run.resume import accumulation_keeping
 
 logger = get_logger(__name__)
 

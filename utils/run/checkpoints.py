@@ -28,11 +28,11 @@ from pathlib import Path
 from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, gather_object
 
-from utils.errors import UserError
-from utils.files import write_json_atomically
-from utils.run.accelerate_save_lines import AccelerateSaveLines
-from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
-from utils.run.run_record import RUN_RECORD
+from ..errors import UserError
+from ..files import write_json_atomically
+from ..run.accelerate_save_lines import AccelerateSaveLines
+from ..run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from ..run.run_record import RUN_RECORD
 
 MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
@@ -40,8 +40,9 @@ TMP_PREFIX = ".tmp-"
 logger = get_logger(__name__)
 
 # Installed once, on the loggers of accelerate's modules that save (checkpointing: save_state, accelerator:
-# save_model), so that every save of the scripts is covered, also their final save_model.
-for _name in ("accelerate.checkpointing", "accelerate.accelerator"):
+# save_model, utils.fsdp_utils: FSDP's shards), so that every save of the scripts is covered, also their final
+# save_model.
+for _name in ("accelerate.checkpointing", "accelerate.accelerator", "accelerate.utils.fsdp_utils"):
     logging.getLogger(_name).addFilter(AccelerateSaveLines(TMP_PREFIX))
 
 

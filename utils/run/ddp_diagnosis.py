@@ -6,7 +6,7 @@ import copy
 import torch
 from torch import nn
 
-from utils.errors import UserError
+from ..errors import UserError
 
 
 def is_unused_parameter_error(err: BaseException) -> bool:

@@ -23,8 +23,8 @@ from accelerate.logging import get_logger
 from accelerate.utils import DistributedType, broadcast
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from utils.errors import UserError
-from utils.run.fingerprints import replica_fingerprints
+from ..errors import UserError
+from ..run.fingerprints import replica_fingerprints
 
 WARMUP_POWER = 2 / 3  # timm's ModelEmaV3 warmup (warmup_gamma 1)
 EMA_WEIGHTS = "model_ema.safetensors"  # in OUTPUT_DIR at the end of a training run

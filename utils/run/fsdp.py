@@ -12,8 +12,8 @@ and `save_model` gather the whole weights. Hand-written because Accelerate has n
 line, never silently, when the Accelerate it was written against changes.
 """
 
-from utils.errors import UserError
-from utils.launch.launch_checks import fsdp_launch
+from ..errors import UserError
+from ..launch.launch_checks import fsdp_launch
 
 # The Accelerate release whose AcceleratorState this adapter completes (see the module's docstring).
 ADAPTED_ACCELERATE = "1.15."
@@ -124,7 +124,9 @@ def _release_process_groups() -> None:
 
     from torch.distributed.device_mesh import DeviceMesh
 
-    for mesh in [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]:
+    # issubclass(type(o)): isinstance would also read o.__class__, which torch's deprecated
+    # torch.distributed.reduce_op answers with a FutureWarning on every process
+    for mesh in [o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)]:
         mesh._pg_registry.clear()
     gc.collect()
 

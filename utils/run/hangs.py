@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 
-from utils.errors import UserError
+from ..errors import UserError
 
 # What the backends raise (a RuntimeError, or its subclass DistBackendError) when a collective waited
 # too long, in torch 2.x: gloo "Timed out waiting 5000ms for recv operation to complete", the store

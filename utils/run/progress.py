@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from utils.errors import UserError
+from ..errors import UserError
 
 TRAINING_STATE = "training_state.json"
 

@@ -7,11 +7,11 @@ from pathlib import Path
 from accelerate.logging import get_logger
 from safetensors.torch import load_file
 
-from utils.errors import UserError
-from utils.run.best import BEST
-from utils.run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
-from utils.run.fsdp import complete_fsdp_model
-from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from ..errors import UserError
+from ..run.best import BEST
+from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
+from ..run.fsdp import complete_fsdp_model
+from ..run.progress import TRAINING_STATE, TrainingProgress, read_training_state
 
 logger = get_logger(__name__)
 

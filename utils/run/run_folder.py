@@ -26,28 +26,26 @@ from pathlib import Path
 
 from accelerate.logging import get_logger
 
-from utils.errors import UserError
-from utils.files import create_output_dir, write_json_atomically
-from utils.run.best import BEST
-from utils.run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
-from utils.run.ema import EMA_WEIGHTS
-from utils.run.progress import TRAINING_STATE, TrainingProgress
-from utils.run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..errors import UserError
+from ..files import create_output_dir, write_json_atomically
+from ..run.best import BEST
+from ..run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
+from ..run.ema import EMA_WEIGHTS
+from ..run.progress import TRAINING_STATE, TrainingProgress
+from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
 
 RESULTS = "results.json"
 EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
 LOCK = "run.lock"  # empty while no training holds it; "pid P on HOST since TIME" while one does
 # What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
 RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, RESULTS, EVAL_RESULTS)
-# run.json keys that a command may change from one start to the next of one run (train_mnist.py's `run` holds
-# epochs and max_steps itself): a finished run is the same command's only when these are the same too
-LENGTH_KEYS = ("epochs", "max_steps", "early_stopping_patience")
 logger = get_logger(__name__)
 
 
 def command_record(run: dict, epochs, max_steps, early_stopping_patience) -> dict:
     """What a finished run's record must equal for a command to be that run again: `run` (the script's
-    describe_run()) and the run's length."""
+    describe_run()) and the run's length, which a command may change from one start to the next of one run
+    (train_mnist.py's `run` holds epochs and max_steps itself)."""
     return {**run, "epochs": epochs, "max_steps": max_steps, "early_stopping_patience": early_stopping_patience}
 
 
@@ -101,7 +99,8 @@ def run_files_held(output_dir) -> list:
     """The names of what a run left in `output_dir` that a new run must not mix with: checkpoints (damaged ones
     too), best/, the final weights and results."""
     output_dir = Path(output_dir)
-    checkpoints = [folder.name for folder in list_checkpoints(output_dir, unreadable=[])]
+    unreadable = []  # those whose training_state.json cannot be read: a run's all the same
+    checkpoints = [folder.name for folder in list_checkpoints(output_dir, unreadable) + sorted(unreadable)]
     best = [BEST] if (output_dir / BEST / TRAINING_STATE).is_file() else []
     files = [name for name in ("model.safetensors", EMA_WEIGHTS, RESULTS) if (output_dir / name).is_file()]
     return checkpoints + best + files

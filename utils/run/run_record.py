@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from utils.errors import UserError
+from ..errors import UserError
 
 RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (save_checkpoint)
 

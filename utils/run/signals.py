@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from utils.run.checkpoints import newest_good_checkpoint
+from ..run.checkpoints import newest_good_checkpoint
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -71,8 +71,13 @@ def stop_with_the_launcher() -> None:
         command = Path(f"/proc/{launcher}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return
-    if not is_accelerate_launch(command):
-        return  # a shell, nohup, srun, a test: their death must not end the training
+    if is_accelerate_launch(command):  # not a shell, nohup, srun, a test: their death must not end the training
+        end_with_the_launcher(launcher)
+
+
+def end_with_the_launcher(launcher: int) -> None:
+    """This process gets SIGTERM when its parent, the process `launcher`, dies; a Ctrl-C that reaches both then
+    ignores that SIGTERM (_interrupted_before_the_launcher_ends)."""
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         return
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where a shell made it ignored

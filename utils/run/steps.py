@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from accelerate.logging import get_logger
 
-from utils.errors import UserError
-from utils.run.best import save_if_best
-from utils.run.checkpoints import newest_good_checkpoint
-from utils.run.progress import TrainingProgress
+from ..errors import UserError
+from ..run.best import save_if_best
+from ..run.checkpoints import newest_good_checkpoint
+from ..run.progress import TrainingProgress
 
 logger = get_logger(__name__)
 
