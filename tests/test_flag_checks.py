@@ -5,6 +5,7 @@ scripts' own command lines."""
 
 import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -181,3 +182,58 @@ def test_a_script_without_the_optional_flag_groups_passes_the_checks():
     flags.check_flag_combinations(parser, args)
     assert (args.metric_for_best, args.report_to) == ("eval_loss", [])
     assert not hasattr(args, "model_ema_decay") and not hasattr(args, "warmup_epochs")
+
+
+@pytest.fixture
+def wandb_login(monkeypatch):
+    """wandb's settings mode and login, stubbed (`mode`, and `result`: True, False or an exception to raise), with
+    wandb counted as installed: the decision alone, in this process. wandb reads its real settings once per process, so
+    tests/test_training_features.py runs the real check in processes of its own."""
+    wandb = pytest.importorskip("wandb", reason="wandb is an optional install: pip install -r requirements-trackers.txt")
+    from wandb.sdk import wandb_setup
+
+    TRACKERS_INSTALLED.append("wandb")
+    stub = SimpleNamespace(mode="online", result=True, calls=[])
+
+    def login(**kwargs):
+        stub.calls.append(kwargs)
+        if isinstance(stub.result, Exception):
+            raise stub.result
+        return stub.result
+
+    monkeypatch.setattr(wandb_setup, "singleton", lambda: SimpleNamespace(settings=SimpleNamespace(mode=stub.mode)))
+    monkeypatch.setattr(wandb, "login", login)
+    yield stub
+    TRACKERS_INSTALLED.remove("wandb")
+
+
+W_AND_B_FIX = ("run `wandb login` (or set WANDB_API_KEY), or log offline with WANDB_MODE=offline (`wandb sync` uploads "
+               "it later), or choose another --report_to")
+
+
+def test_wandb_online_needs_credentials_which_login_finds_without_asking(wandb_login):
+    assert checked("--report_to", "wandb").report_to == ["wandb"]
+    assert wandb_login.calls == [{"prompt": False, "verify": False}]  # no prompt, no network
+    wandb_login.result = False
+    assert checked("--report_to", "wandb") == refusal(
+        f"--report_to wandb: W&B cannot log online: it has no API key here (not logged in); {W_AND_B_FIX}")
+    assert checked("--report_to", "all") == refusal(
+        f"--report_to all: W&B cannot log online: it has no API key here (not logged in); {W_AND_B_FIX}")
+    import wandb
+
+    wandb_login.result = wandb.errors.Error("WANDB_API_KEY invalid: API key must have 40+ characters\nmore")
+    assert checked("--report_to", "wandb") == refusal(
+        "--report_to wandb: W&B cannot log online: WANDB_API_KEY invalid: API key must have 40+ characters; "
+        f"{W_AND_B_FIX}")
+
+
+@pytest.mark.parametrize("mode", ["offline", "dryrun", "disabled"])
+def test_wandb_offline_needs_no_credentials(wandb_login, mode):
+    wandb_login.mode, wandb_login.result = mode, False
+    assert checked("--report_to", "wandb").report_to == ["wandb"] and wandb_login.calls == []
+
+
+def test_no_wandb_check_without_wandb(wandb_login):
+    wandb_login.result = False
+    assert checked("--report_to", "mlflow", "--with_tracking").report_to == ["mlflow", "tensorboard"]
+    assert wandb_login.calls == []
