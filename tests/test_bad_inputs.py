@@ -62,6 +62,10 @@ STEP_FLAGS = [  # --max_steps, --eval_steps, --logging_steps in both training sc
     (CLASSIFIER, ["--mix_prob", "0.5"], ["--mix_prob says how often --mixup_alpha and --cutmix_alpha mix"]),
     (CLASSIFIER, ["--mixup_alpha", "0", "--mix_prob", "0.5"], ["--mix_prob", "set one of them above 0"]),
     (CLASSIFIER, ["--val_split", "1"], ["--val_split", "a fraction strictly between 0 and 1, got 1"]),
+    (CLASSIFIER, ["--val_split", "0"], ["--val_split", "a fraction strictly between 0 and 1, got 0"]),  # issue 43
+    (CLASSIFIER, ["--val_split", "-0.0"], ["--val_split", "a fraction strictly between 0 and 1, got -0.0"]),
+    (CLASSIFIER, ["--learning_rate", "inf"], ["--learning_rate", "expected a positive number, got inf"]),
+    (CLASSIFIER, ["--max_grad_norm", "inf"], ["--max_grad_norm", "expected a positive number, got inf"]),
     (CLASSIFIER, ["--val_split", "nan"], ["--val_split", "a fraction strictly between 0 and 1"]),
     (CLASSIFIER, ["--label_smoothing", "1"], ["--label_smoothing", "expected a number in [0, 1), got 1"]),
     (CLASSIFIER, ["--label_smoothing", "-0.1"], ["--label_smoothing", "expected a number in [0, 1)"]),

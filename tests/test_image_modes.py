@@ -55,6 +55,9 @@ CASES = [
     ("16-bit greyscale PNG", encoded(halves("I;16", 32768, 65535, np.uint16), "PNG"), "I;16", (128,) * 3, WHITE),
     ("16-bit greyscale PNG, dark", encoded(halves("I;16", 0, 257 * 30, np.uint16), "PNG"), "I;16", BLACK, (30,) * 3),
     ("32-bit integer TIFF", encoded(halves("I", 0, 65535, np.int32), "TIFF"), "I", BLACK, WHITE),
+    # values outside the 16-bit range: clipped to it (black, white), not scaled past 8 bits (-70000 would wrap to 239,
+    # 70000 to 16)
+    ("32-bit integer TIFF beyond 16 bits", encoded(halves("I", -70000, 70000, np.int32), "TIFF"), "I", BLACK, WHITE),
     ("palette PNG with a transparent entry", palette_with_transparency(), "P", WHITE, BLACK),
     ("greyscale PNG with a transparent level", greyscale_with_transparent_colour(), "L", WHITE, (40,) * 3),
     ("greyscale and alpha PNG", encoded(halves("LA", (0, 0), (0, 255)), "PNG"), "LA", WHITE, BLACK),

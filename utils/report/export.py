@@ -5,6 +5,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,12 +59,24 @@ def export_onnx(model: nn.Module, normalise, images: torch.Tensor, path, class_n
             expected = deployable(images).numpy()
         whole = session.run(None, {"images": images.numpy()})[0]
         one_by_one = [session.run(None, {"images": image[None].numpy()})[0][0] for image in images]
-        difference = max(abs(whole - expected).max(), max(abs(row - e).max() for row, e in zip(one_by_one, expected)))
-        if not difference <= ONNX_TOLERANCE:
-            raise UserError(f"the ONNX model's logits differ from PyTorch's by {difference:.2e} on {len(images)} real "
-                            f"inputs (more than {ONNX_TOLERANCE}); not written. Report it with your torch and "
-                            f"onnxruntime versions")
+        difference = check_against_pytorch(expected, whole, np.stack(one_by_one))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    return float(difference)
+    return difference
+
+
+def check_against_pytorch(expected: np.ndarray, whole: np.ndarray, one_by_one: np.ndarray) -> float:
+    """The largest absolute difference of onnxruntime's logits, of the inputs in one batch (`whole`) and one at a time
+    (`one_by_one`), to PyTorch's (`expected`), all (N, classes); UserError when it is above ONNX_TOLERANCE or nan (any
+    logit nan: numpy's max keeps a nan, where Python's max() drops one that is not first)."""
+    difference = float(np.abs(np.stack([whole, one_by_one]) - expected).max())
+    if np.isnan(expected).any():
+        raise UserError(f"PyTorch's own logits are nan on {int(np.isnan(expected).any(axis=1).sum())} of "
+                        f"{len(expected)} real inputs (nan in the weights?); not written: export a model whose predictions "
+                        f"are numbers")
+    if not difference <= ONNX_TOLERANCE:  # also nan
+        raise UserError(f"the ONNX model's logits differ from PyTorch's by {difference:.2e} on {len(expected)} real "
+                        f"inputs (more than {ONNX_TOLERANCE}); not written. Report it with your torch and "
+                        f"onnxruntime versions")
+    return difference

@@ -29,7 +29,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
             logger.info(f"No checkpoint in {output_dir} yet: starting from scratch", main_process_only=True)
         return
     try:
-        if Path(checkpoint).name == BEST:
+        if weights_only(checkpoint):
             # imported here: only this path needs it, and at the top it would cost --help and every process's start
             # about half a second (it imports torch._dynamo, which prepare() has loaded by the time it runs here)
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -106,7 +106,7 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     checkpoint = Path(resume_from_checkpoint)
     if not checkpoint.is_dir():
         raise UserError(f"--resume_from_checkpoint {checkpoint}: no such folder; pass a checkpoint folder or 'latest'")
-    if checkpoint.name == BEST and not eval_only:  # the literal 'best' is refused already by the flag checks
+    if weights_only(checkpoint) and not eval_only:  # the literal 'best' is refused already by the flag checks
         raise UserError(f"{checkpoint} holds the best weights only (no optimizer state): evaluate them with "
                         f"--eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     problem = check_checkpoint(checkpoint)
@@ -116,6 +116,12 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
         raise UserError(f"checkpoint {checkpoint} is damaged ({problem}); {fix}")
     warn_if_unverifiable(checkpoint)
     return checkpoint
+
+
+def weights_only(checkpoint) -> bool:
+    """Whether `checkpoint` is a --metric_for_best folder (the weights alone), however its path is spelled: relative or
+    absolute, with `.` or `..` in it, a link to it under another name, or a link named best to a copy of it."""
+    return BEST in (Path(checkpoint).name, Path(checkpoint).resolve().name)
 
 
 def accumulation_keeping(progress, num_processes: int, batch_size: int, accumulation: int) -> int:
@@ -148,7 +154,8 @@ def accumulation_keeping(progress, num_processes: int, batch_size: int, accumula
 
 def batches_to_skip(progress: TrainingProgress, num_processes: int, batch_size: int) -> int:
     """Batches per process already trained on in the epoch in progress (checkpoints are saved after an
-    optimizer step, so this part of the epoch is a whole number of global batches). The shuffle order
+    optimizer step, so this part of the epoch is a whole number of global batches, but for the epoch's last batch,
+    which on one process may be partial: rounded up, it counts as the whole batch it was). The shuffle order
     depends only on (seed, epoch) and each process takes every num_processes-th batch of it, so the
     first samples_in_epoch samples of the order are the first this-many batches of every process."""
     return math.ceil(progress.samples_in_epoch / (num_processes * batch_size))
