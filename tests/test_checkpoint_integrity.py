@@ -149,7 +149,8 @@ def test_a_full_disk_stops_both_processes_with_one_line_and_keeps_every_complete
     assert_clean_user_error(proc, f"the disk mounted at {small_disk} (holding {out}) is full", "MiB free of 1.00 MiB",
                             "saving step_3 needs about 0.37 MiB, the size of step_2",
                             f"the last complete checkpoint is {out / 'step_2'}")
-    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 2  # one per process
+    # said once per machine, by its first process; the launcher ends the other in its wait (utils/errors.py)
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error: ")]) == 1
     output = proc.stdout + proc.stderr
     assert "basic_ios" not in output and "unexpected pos" not in output, output
     assert sorted(p.name for p in out.iterdir()) == ["run.json", "run.lock", "step_1", "step_2"], "no .tmp-step_3 left"
