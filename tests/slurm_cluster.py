@@ -10,7 +10,8 @@ also declares this machine's CPUs, and Slurm binds every job to the CPUs it allo
 (task/affinity, as clusters that bind cores do). A second partition, `urgent`, preempts
 the jobs of the default one, the way a cluster without `--signal` at preemption does it:
 SIGTERM, then SIGKILL after KillWait.
-Everything lives in one temporary folder; the daemons are stopped by their pid files.
+Everything lives in one temporary folder but the sockets, which need a short path (SOCKET_PATH_MAX);
+the daemons are stopped by their pid files.
 """
 
 import os
@@ -18,6 +19,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -31,6 +33,15 @@ GPUS_PER_NODE = 4
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
          "OUT_OF_MEMORY"}
 CPUS_PER_NODE = len(os.sched_getaffinity(0))  # the CPUs this machine lets us use, all of them on each node
+# A Unix socket's path holds at most 107 bytes. slurmstepd's is <SlurmdSpoolDir>/<node>_<job id>.<step id>, and
+# one longer kills slurmstepd at every launch (the job requeued and held, PENDING for good): under pytest-xdist's
+# folders (.../pytest-2661/popen-gw0/test_the_scripts_run_on_a_clus0/cluster/spool/node1/node1_2.4294967291)
+# it was 113. So the daemons' sockets live in a short folder of their own, checked against the longest such path.
+SOCKET_PATH_MAX = 107
+LONGEST_STEP_SOCKET = f"{NODES[0]}_67043328.4294967291"  # Slurm's largest job id (MaxJobId), the batch step's id
+# PENDING reasons after which the job never starts by itself: held (a failed launch holds it, as that socket did), or
+# a request these nodes can never meet. Not the passing ones (Resources, Priority, BeginTime of a requeued job).
+NEVER_STARTS = ("launch_failed_requeued_held", "JobHeld", "BadConstraints", "PartitionConfig", "PartitionNodeLimit")
 
 
 def skip_with_reason(reason: str):
@@ -54,7 +65,9 @@ class SlurmCluster:
         self.root = root
         self.gpus_per_node = gpus_per_node
         self.conf = root / "slurm.conf"
-        self.munge_socket = root / "munge" / "munge.socket"
+        self.sockets = Path(tempfile.mkdtemp(prefix="slurm-"))  # short, wherever pytest's folders are
+        self.spool = self.sockets / "spool"
+        self.munge_socket = self.sockets / "munge.socket"
         # What every Slurm command and job needs: our slurm.conf, and the venv's accelerate
         # first on PATH (sbatch passes this environment on to the jobs).
         self.env = {
@@ -72,8 +85,14 @@ class SlurmCluster:
 
     def write_config(self) -> None:
         ctld_port, *node_ports = free_ports(1 + len(NODES))
-        for sub in ("state", "log", "munge", *(f"spool/{n}" for n in NODES)):
+        longest = self.spool / NODES[0] / LONGEST_STEP_SOCKET
+        if len(bytes(longest)) > SOCKET_PATH_MAX:
+            raise RuntimeError(f"{longest} is too long for a Unix socket ({len(bytes(longest))} bytes, at most "
+                               f"{SOCKET_PATH_MAX}): set TMPDIR to a shorter folder")
+        for sub in ("state", "log", "munge"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        for node in NODES:
+            (self.spool / node).mkdir(parents=True, exist_ok=True)
         (self.root / "munge").chmod(0o700)
         for i in range(self.gpus_per_node):
             (self.root / f"fake-gpu{i}").touch()
@@ -95,7 +114,7 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/%n
+SlurmdSpoolDir={self.spool}/%n
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd-%n.pid
 SlurmctldLogFile={r}/log/slurmctld.log
@@ -176,6 +195,7 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
                 os.kill(int(pid_file.read_text().split()[0]), 15)
             except (FileNotFoundError, ValueError, ProcessLookupError):
                 pass
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
     # ------------------------------------------------------------------ jobs
 
@@ -200,6 +220,8 @@ PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2
                 return 128 + signal_number if signal_number else exit_code
             if not fields:
                 raise AssertionError(f"job {job_id} is gone from scontrol; its exit code is lost\n{self.log_tail()}")
+            if fields["JobState"] == "PENDING" and fields.get("Reason", "").startswith(NEVER_STARTS):
+                raise AssertionError(f"job {job_id} cannot start: {fields['Reason']}\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"job {job_id} did not end in {timeout} s ({fields['JobState']})\n{self.log_tail()}")
             time.sleep(0.2)
