@@ -49,7 +49,8 @@ from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import create_output_dir  # noqa: E402
 from utils.launch.flags import ArgumentParser, positive_int  # noqa: E402
 from utils.report.benchmarking import (  # noqa: E402
-    METHODS, PRECISIONS, Combination, combination_of, machine_facts, portable_command, portable_path, write_report,
+    METHODS, PRECISIONS, Combination, combination_of, cpu_threads_source, machine_facts, portable_command,
+    portable_path, print_cpu_threads, run_environment, write_report,
 )
 
 MODELS = ("mnist", "resnet18", "resnet50")
@@ -187,31 +188,6 @@ def command_for(combo, args, on_cpu: bool, output_dir: Path) -> list:
     return [str(word) for word in (*launcher, script, *script_args)]
 
 
-def cpu_threads(num_processes: int) -> int:
-    """OMP_NUM_THREADS for each of `num_processes` CPU processes: the user's OMP_NUM_THREADS where set (on a busy
-    machine fewer threads than cores can train many times faster), else the cores shared out."""
-    users = os.environ.get("OMP_NUM_THREADS")
-    if users is not None and not (users.isdigit() and int(users) > 0):
-        raise UserError(f"OMP_NUM_THREADS={users}: not a positive whole number; set it to the threads each process "
-                        f"should use, or unset it (then the cores / processes)")
-    return int(users) if users is not None else max(1, (os.cpu_count() or 1) // num_processes)
-
-
-def run_environment(combo, on_cpu: bool) -> dict:
-    """The environment of one run: the user's, with the same CPU threads or GPUs for every method."""
-    env = dict(os.environ)
-    if on_cpu:
-        # Every method gets the same threads (torchrun and accelerate launch would otherwise choose different counts).
-        env["OMP_NUM_THREADS"] = str(cpu_threads(combo.num_processes))
-    if combo.method == "dataparallel":
-        # DataParallel drives every GPU it sees: show it the first N of the GPUs the user chose
-        # (CUDA_VISIBLE_DEVICES, as every other method respects it), not of the machine's.
-        visible = env.get("CUDA_VISIBLE_DEVICES")
-        chosen = visible.split(",") if visible is not None else [str(i) for i in range(torch.cuda.device_count())]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen[:combo.num_processes])
-    return env
-
-
 def ran_as_asked(combo, results: dict):
     """None, or why a finished run is not the combination asked for: DataParallel is one process
     driving N GPUs (results' num_gpus), the other methods N processes."""
@@ -225,7 +201,7 @@ def run_one(combo, args, on_cpu: bool, run_dir: Path) -> dict:
     record = {**asdict(combo), "command": portable_command(cmd, REPO, run_dir)}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
-                              env=run_environment(combo, on_cpu))
+                              env=run_environment(combo, on_cpu, os.environ, os.cpu_count(), torch.cuda.device_count()))
     except subprocess.TimeoutExpired:
         return {**record, "status": "failed", "reason": f"timed out after {args.timeout} s"}
     (run_dir / "log.txt").write_text(proc.stdout + proc.stderr)
@@ -294,10 +270,7 @@ def main(args):
     skipped = {c: skip_reason(c, on_cpu, num_gpus) for c in combinations}
     runnable = [c for c in combinations if skipped[c] is None]
     if on_cpu:  # the number that decides CPU throughput on a busy machine (docs/benchmarks.md)
-        counts = sorted({c.num_processes for c in runnable})
-        whose = ", yours" if "OMP_NUM_THREADS" in os.environ else ""
-        print(f"CPU threads per process (OMP_NUM_THREADS{whose}): "
-              + ", ".join(f"{cpu_threads(n)} on {n} processes" for n in counts), flush=True)
+        print_cpu_threads({c.num_processes for c in runnable}, os.environ.get("OMP_NUM_THREADS"), os.cpu_count())
     runs_by_round = []  # one {combination: run record} per round
     with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch, \
             tqdm(total=len(runnable) * args.repeats, desc="benchmark", unit="run") as progress:
@@ -317,9 +290,7 @@ def main(args):
         "command": portable_command(["python", *sys.argv], REPO),  # as typed, in the folder it was started in
         "machine": {**machine_facts(), "load_average_1min_before": load_before},
         "device": "cpu" if on_cpu else f"{num_gpus} x {torch.cuda.get_device_name(0)}",
-        "threads_per_process": (f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (set by the user)"
-                                if "OMP_NUM_THREADS" in os.environ else "cores / processes (OMP_NUM_THREADS)")
-                               if on_cpu else None,
+        "threads_per_process": cpu_threads_source(os.environ.get("OMP_NUM_THREADS")) if on_cpu else None,
         "settings": {k: portable_path(v, REPO) if isinstance(v, str) else v for k, v in vars(args).items()},
     }, combinations, skipped, runs_by_round)
     print(f"Wrote {output_dir / 'benchmark.csv'}, benchmark.json, benchmark.md, throughput.png, scaling.png")

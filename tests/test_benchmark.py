@@ -21,6 +21,7 @@ from helpers import (REPO, exit_check_env, assert_clean_user_error, code_lines, 
                      training_processes)
 
 from utils.errors import UserError
+from utils.report.benchmarking import Combination, cpu_threads_source, print_cpu_threads, run_environment
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
@@ -367,37 +368,40 @@ def test_a_dataparallel_row_counts_gpus_not_processes():
     assert "ran on 1 processes" in benchmark.ran_as_asked(ddp, {"num_processes": 1, "num_gpus": None})
 
 
-def test_dataparallel_respects_the_users_gpu_selection(monkeypatch):
+def test_dataparallel_respects_the_users_gpu_selection():
     """DataParallel sees the first N of the GPUs the user chose, as torchrun's and accelerate's
-    processes take the first N of them; without a choice, the first N of the machine's."""
-    benchmark = load_script(BENCHMARK)
-    dataparallel = benchmark.Combination("mnist", "device", "dataparallel", "fp16", 2)
-    ddp = benchmark.Combination("mnist", "device", "ddp", "fp16", 2)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    assert benchmark.run_environment(dataparallel, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "2,3"
-    assert benchmark.run_environment(ddp, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "2,3"
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,2,3")
-    assert benchmark.run_environment(dataparallel, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "5,2"
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert benchmark.run_environment(dataparallel, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "0,1"
-    assert "CUDA_VISIBLE_DEVICES" not in benchmark.run_environment(ddp, on_cpu=False)
+    processes take the first N of them; without a choice, the first N of the machine's (here 4)."""
+    dataparallel = Combination("mnist", "device", "dataparallel", "fp16", 2)
+    ddp = Combination("mnist", "device", "ddp", "fp16", 2)
+
+    def visible(combo, environ):
+        return run_environment(combo, False, environ, 8, 4).get("CUDA_VISIBLE_DEVICES")
+
+    assert visible(dataparallel, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "2,3"
+    assert visible(ddp, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "2,3"
+    assert visible(dataparallel, {"CUDA_VISIBLE_DEVICES": "5,2,3"}) == "5,2"
+    assert visible(dataparallel, {}) == "0,1"
+    assert visible(ddp, {}) is None
 
 
-def test_cpu_runs_get_the_users_omp_num_threads_or_the_cores_shared_out(monkeypatch):
+def test_cpu_runs_get_the_users_omp_num_threads_or_the_cores_shared_out(capsys):
     """On a busy machine 2 threads per process trained 16x slower than 1: the user's OMP_NUM_THREADS, where set, is
-    every CPU run's (else the cores / processes); a value OpenMP cannot take is one error line, not a traceback."""
-    benchmark = load_script(BENCHMARK)
-    one, two = (benchmark.Combination("mnist", "dataloader", "accelerate", "fp32", n) for n in (1, 2))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
-    assert [benchmark.run_environment(c, on_cpu=True)["OMP_NUM_THREADS"] for c in (one, two)] == ["8", "4"]
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    assert [benchmark.run_environment(c, on_cpu=True)["OMP_NUM_THREADS"] for c in (one, two)] == ["1", "1"]
+    every CPU run's (else the cores / processes), printed before the first run and recorded in benchmark.json; a value
+    OpenMP cannot take is one error line, not a traceback."""
+    one, two = (Combination("mnist", "dataloader", "accelerate", "fp32", n) for n in (1, 2))
+    assert [run_environment(c, True, {}, 8, 0)["OMP_NUM_THREADS"] for c in (one, two)] == ["8", "4"]
+    assert [run_environment(c, True, {"OMP_NUM_THREADS": "1"}, 8, 0)["OMP_NUM_THREADS"] for c in (one, two)] == [
+        "1", "1"]
+    print_cpu_threads({2, 1}, None, 8)
+    print_cpu_threads({1, 2}, "1", 8)
+    assert capsys.readouterr().out == ("CPU threads per process (OMP_NUM_THREADS): 8 on 1 processes, 4 on 2 processes\n"
+                                       "CPU threads per process (OMP_NUM_THREADS, yours): 1 on 1 processes, "
+                                       "1 on 2 processes\n")
+    assert cpu_threads_source("1") == "OMP_NUM_THREADS=1 (set by the user)"
+    assert cpu_threads_source(None) == "cores / processes (OMP_NUM_THREADS)"
     for bad in ("0", "two", "-1", ""):
-        monkeypatch.setenv("OMP_NUM_THREADS", bad)
         with pytest.raises(UserError, match=f"OMP_NUM_THREADS={bad}: not a positive whole number"):
-            benchmark.cpu_threads(1)
+            run_environment(one, True, {"OMP_NUM_THREADS": bad}, 8, 0)
 
 
 def forward_as_a_replica(module, x):

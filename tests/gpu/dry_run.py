@@ -19,8 +19,9 @@ from packaging.version import Version
 
 # Import names that differ from their distribution's name, among the packages the project imports.
 DISTRIBUTION_OF = {"PIL": "pillow", "yaml": "pyyaml", "cv2": "opencv-python-headless", "sklearn": "scikit-learn"}
-# Imported only by tests that no GPU check runs (not marked gpu), inside the test: requirements-trackers.txt.
-NOT_NEEDED_THERE = {"mlflow", "wandb"}
+# Distributions that only tests no GPU check runs (not marked gpu) import, inside the test or the script they launch
+# (requirements-trackers.txt's; the Fabric "before", scripts/baselines/fabric_mnist.py), or only a run by hand (mutmut).
+NOT_NEEDED_THERE = {"mlflow", "wandb", "lightning-fabric", "mutmut"}
 # The device machine's Python, for the wheels' tags and their requirements' markers.
 DEVICE_PYTHON = "3.12"
 DEVICE_MARKERS = {**default_environment(), "python_version": DEVICE_PYTHON, "python_full_version": "3.12.3",
@@ -63,7 +64,7 @@ def uncovered_imports(imports: dict, device: dict, wheels: dict) -> list:
     problems = []
     for module, files in sorted(imports.items()):
         name = canonicalize_name(DISTRIBUTION_OF.get(module, module))
-        if name not in device and name not in wheels and module not in NOT_NEEDED_THERE:
+        if name not in device and name not in wheels and name not in NOT_NEEDED_THERE:
             problems.append(f"{sorted(set(files))[0]} imports {module}: the device image lacks it and "
                             f"tests/gpu/wheels.txt does not carry it (add {name}==VERSION there)")
     return problems
@@ -80,7 +81,7 @@ def requirement_problems(requirements_file: Path, device: dict, wheels: dict) ->
         req = Requirement(line)
         name = canonicalize_name(req.name)
         version = wheels.get(name) or device.get(name)
-        if version is None and name not in device and name not in wheels:
+        if version is None and name not in device and name not in wheels and name not in NOT_NEEDED_THERE:
             problems.append(f"{requirements_file.name}: {req} is neither on the device nor in tests/gpu/wheels.txt")
         elif version is not None and not req.specifier.contains(Version(version), prereleases=True):
             problems.append(f"{requirements_file.name}: {req} excludes {name} {version}, the version on the device")
@@ -185,9 +186,14 @@ def source_files(repo: Path) -> list:
 
 
 def local_module_names(repo: Path) -> set:
-    """Modules the project itself provides: its packages, the files the tests import by name and the top-level
-    packages among them (tests/standins' apex and horovod, which the tests put on PYTHONPATH)."""
+    """Modules the project itself provides: its packages, the files the tests import by name, the top-level
+    packages among them (tests/standins' apex and horovod, which the tests put on PYTHONPATH) and the names
+    pyproject.toml installs utils/ under (accelerate_reference_utils, which a test pip-installs)."""
+    import tomllib
+
     files = source_files(repo)
     top_level_packages = {p.parent.name for p in files
                           if p.name == "__init__.py" and not (p.parent.parent / "__init__.py").is_file()}
-    return {"utils", "scripts", "tests"} | {p.stem for p in files} | top_level_packages
+    setuptools = tomllib.loads((repo / "pyproject.toml").read_text()).get("tool", {}).get("setuptools", {})
+    installed = {name.split(".")[0] for name in setuptools.get("package-dir", {})}
+    return {"utils", "scripts", "tests"} | {p.stem for p in files} | top_level_packages | installed

@@ -1,6 +1,6 @@
-"""Helpers for the baselines and the benchmark: AMP as Accelerate picks it, synthetic images, machine facts, and
-scripts/benchmark.py's report (a row per combination from its repeated runs, written as CSV,
-Markdown, JSON and plots). No distribution logic in here."""
+"""Helpers for the baselines and the benchmark: AMP as Accelerate picks it, synthetic images, machine facts, each
+benchmark run's environment (its CPU threads, its visible GPUs), and scripts/benchmark.py's report (a row per
+combination from its repeated runs, written as CSV, Markdown, JSON and plots). No distribution logic in here."""
 
 import csv
 import os
@@ -121,6 +121,45 @@ def machine_facts() -> dict:
         "load_average_1min_after": os.getloadavg()[0],
         "git_commit": _git_commit(),
     }
+
+
+def cpu_threads(num_processes: int, users_threads, cores) -> int:
+    """OMP_NUM_THREADS for each of `num_processes` CPU processes: the user's OMP_NUM_THREADS (`users_threads`, None
+    where unset; on a busy machine fewer threads than cores can train many times faster), else the cores shared out."""
+    if users_threads is not None and not (users_threads.isdigit() and int(users_threads) > 0):
+        raise UserError(f"OMP_NUM_THREADS={users_threads}: not a positive whole number; set it to the threads each "
+                        f"process should use, or unset it (then the cores / processes)")
+    return int(users_threads) if users_threads is not None else max(1, (cores or 1) // num_processes)
+
+
+def print_cpu_threads(process_counts, users_threads, cores) -> None:
+    """Before the first CPU run: the threads each process will use, per process count."""
+    whose = ", yours" if users_threads is not None else ""
+    print(f"CPU threads per process (OMP_NUM_THREADS{whose}): " + ", ".join(
+        f"{cpu_threads(n, users_threads, cores)} on {n} processes" for n in sorted(process_counts)), flush=True)
+
+
+def cpu_threads_source(users_threads) -> str:
+    """benchmark.json's threads_per_process on the CPU: whose OMP_NUM_THREADS the runs took."""
+    if users_threads is not None:
+        return f"OMP_NUM_THREADS={users_threads} (set by the user)"
+    return "cores / processes (OMP_NUM_THREADS)"
+
+
+def run_environment(combo, on_cpu: bool, environ, cores, machine_gpus: int) -> dict:
+    """The environment of one benchmark run: the user's (`environ`), with the same CPU threads or GPUs for every
+    method; `cores` and `machine_gpus` are this machine's."""
+    env = dict(environ)
+    if on_cpu:
+        # Every method gets the same threads (torchrun and accelerate launch would otherwise choose different counts).
+        env["OMP_NUM_THREADS"] = str(cpu_threads(combo.num_processes, env.get("OMP_NUM_THREADS"), cores))
+    if combo.method == "dataparallel":
+        # DataParallel drives every GPU it sees: show it the first N of the GPUs the user chose
+        # (CUDA_VISIBLE_DEVICES, as every other method respects it), not of the machine's.
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        chosen = visible.split(",") if visible is not None else [str(i) for i in range(machine_gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(chosen[:combo.num_processes])
+    return env
 
 
 def _git_commit():
