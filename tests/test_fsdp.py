@@ -374,6 +374,21 @@ def test_the_reason_batchnorm_is_kept_in_fp32_under_fsdp_still_holds():
         torch.nn.functional.batch_norm(activations, running_mean, running_var, weight, bias, training=True)
 
 
+def test_an_fsdp2_scripts_fp32_reductions_survive_accelerates_bf16_as_the_docs_say():
+    """docs/fsdp.md "Converting an FSDP2 script": the block there runs as written (the plugin keeps the example's
+    fp32 reductions under mixed_precision="bf16"), and without its `mixed_precision_policy` line Accelerate's own
+    policy reduces in bf16, the difference the section tells."""
+    text = (REPO / "docs" / "fsdp.md").read_text()
+    section = text.split("## Converting an FSDP2 script\n", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)[1]
+    exec(compile(block, "docs/fsdp.md", "exec"), {})
+    policy_line = re.search(r"^ *mixed_precision_policy=.*\n", block, flags=re.MULTILINE)[0]
+    without_the_policy = block.replace(policy_line, "").replace(
+        "(torch.bfloat16, torch.float32)", "(torch.bfloat16, torch.bfloat16)")
+    assert without_the_policy.count("torch.bfloat16, torch.bfloat16") == 1
+    exec(compile(without_the_policy, "docs/fsdp.md, without the policy", "exec"), {})
+
+
 def bf16_backward_under_fsdp(batchnorm: torch.nn.Module) -> None:
     """A model with the layer `batchnorm` after a BatchNorm2d trunk, each BatchNorm unit kept in fp32 by
     keep_batchnorm_in_fp32, the rest sharded under the bf16 policy that Accelerate gives FSDP2 (the FSDP1-style units of
