@@ -23,6 +23,24 @@ os.environ["FREEZE_AT_EXIT"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(EXIT_CHECK), os.environ.get("PYTHONPATH")]))
 
 
+@pytest.fixture(scope="module")
+def accelerate_state():
+    """The state Accelerate's logger needs, for in-process tests of helpers that log (one process, the CPU). Module
+    scope: test_fsdp and test_predict reset Accelerate's state in the same worker."""
+    from accelerate import PartialState
+
+    PartialState(cpu=True)
+
+
+@pytest.fixture
+def another_process(accelerate_state, monkeypatch):
+    """This process as process 1 of several: accelerate's logger says nothing with main_process_only=True."""
+    from accelerate import PartialState
+
+    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
+    assert not PartialState().is_main_process
+
+
 @pytest.fixture(scope="session")
 def synthetic_mnist(tmp_path_factory):
     """640 train / 203 test generated digits as gzipped IDX files."""

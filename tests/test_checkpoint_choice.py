@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from accelerate import PartialState
 
 from utils.errors import UserError
 from utils.run import checkpoints
@@ -23,9 +22,7 @@ from utils.run.progress import TRAINING_STATE, TrainingProgress
 from utils.run.run_record import RUN_RECORD
 
 
-@pytest.fixture(autouse=True)
-def accelerate_state():
-    PartialState(cpu=True)  # accelerate's logger needs it
+pytestmark = pytest.mark.usefixtures("accelerate_state")  # conftest: accelerate's logger needs a state
 
 
 def one_process(**more):
@@ -333,7 +330,7 @@ def test_a_full_disk_on_any_process_is_the_main_processes_line_on_every_process(
         with pytest.raises(UserError, match="^the disk is full$"):
             checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
     accelerator = several_processes(monkeypatch, [0, 1, 2], index=0)
-    with pytest.raises(UserError, match=f"^the disk mounted at /mnt/disk .* is full: "):
+    with pytest.raises(UserError, match="^the disk mounted at /mnt/disk .* is full: "):
         checkpoints.stop_if_any_failed(accelerator, None, small_disk, tmp)
     assert not tmp.exists()
     # the process whose own save failed otherwise raises its own error
@@ -464,8 +461,7 @@ def test_without_a_metric_for_best_nothing_is_kept(tmp_path):
     assert progress == TrainingProgress() and saves == [] and list(tmp_path.iterdir()) == []
 
 
-def test_the_best_line_is_the_main_processes_alone(tmp_path, caplog, monkeypatch):
-    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
+def test_the_best_line_is_the_main_processes_alone(tmp_path, caplog, another_process):
     accelerator, saves = best_run(tmp_path)
     with caplog.at_level("INFO"):
         assert save_if_best(accelerator, Model("m"), TrainingProgress(), {"eval_loss": 0.1}, 0, "eval_loss", tmp_path)

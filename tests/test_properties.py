@@ -30,11 +30,7 @@ LABEL_TEXT = st.text(alphabet="ab Z09_-é", max_size=4)  # a small alphabet: Hyp
 # seconds to build
 
 
-@pytest.fixture(autouse=True, scope="module")
-def accelerate_state():
-    from accelerate import PartialState
-
-    PartialState(cpu=True)  # accumulation_keeping logs through accelerate's logger
+pytestmark = pytest.mark.usefixtures("accelerate_state")  # conftest: accelerate's logger needs a state
 
 
 geometry = dict(size=st.integers(1, 700), batch_size=st.integers(1, 40), num_processes=st.integers(1, 5),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from accelerate import Accelerator, PartialState
+from accelerate import Accelerator
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from safetensors.torch import save_file
 
@@ -131,9 +131,7 @@ def write_checkpoint(output_dir: Path, name: str, progress: TrainingProgress, we
     return save_checkpoint(accelerator, output_dir, name, progress, write_into=write_into)
 
 
-@pytest.fixture(autouse=True)
-def accelerate_state():
-    PartialState(cpu=True)  # accelerate's logger needs it
+pytestmark = pytest.mark.usefixtures("accelerate_state")  # conftest: accelerate's logger needs a state
 
 
 @pytest.fixture
@@ -354,13 +352,6 @@ def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_stat
     save_file({"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, tmp_path / "best" / "model.safetensors")
     resume.load_checkpoint(accelerator, model, tmp_path / "best", TrainingProgress(), "best", tmp_path)
     assert calls == [("complete", model), ("set", True)] and torch.equal(model.weight, torch.ones(1, 2))
-
-
-@pytest.fixture
-def another_process(monkeypatch):
-    """This process as process 1 of several: accelerate's logger says nothing with main_process_only=True."""
-    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
-    assert not PartialState().is_main_process
 
 
 def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_process, caplog, monkeypatch):

@@ -32,11 +32,8 @@ NOTHING_LEFT = re.compile(r"^Nothing left to train: (.*); model.safetensors and 
 
 
 @pytest.fixture(autouse=True)
-def accelerate_state(monkeypatch):
-    """Accelerate's logger needs a state; RANK unset: this process is a run's main process."""
-    from accelerate import PartialState
-
-    PartialState(cpu=True)
+def main_process(accelerate_state, monkeypatch):
+    """Accelerate's logger has its state (conftest); RANK unset: this process is a run's main process."""
     monkeypatch.delenv("RANK", raising=False)
 
 
@@ -369,14 +366,11 @@ def test_results_of_another_run_or_without_a_record_are_not_this_runs_end(tmp_pa
     assert said_nothing_left(caplog, folder, TrainingProgress()) is not None  # on another process count: the same run
 
 
-def test_what_is_said_is_said_by_the_main_process_only(tmp_path, caplog, monkeypatch):
+def test_what_is_said_is_said_by_the_main_process_only(tmp_path, caplog, another_process):
     """Every process decides the same; only the main process says so (once per run, not once per process)."""
-    from accelerate import PartialState
-
     out = tmp_path / "out"
     folder = RunFolder(out, RUN, epochs=1)
     trained(folder, epoch=1, global_step=4)
-    monkeypatch.setitem(PartialState._shared_state, "process_index", 1)
     with caplog.at_level(logging.INFO, logger="utils.run.run_folder"):
         assert nothing_left_to_train(folder, TrainingProgress(), None, "eval_accuracy")
         start_output_dir(RunFolder(out, RUN, epochs=1, overwrite=True), TrainingProgress(), 16, 1)
