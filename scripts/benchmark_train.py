@@ -39,18 +39,18 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.files import write_json_atomically  # noqa: E402
-from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack  # noqa: E402
-from utils.models import ConvNet, build_model  # noqa: E402
-from utils.report.benchmarking import (  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset
+from utils.errors import UserError, exit_with_error
+from utils.files import write_json_atomically
+from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack
+from utils.models import ConvNet, build_model
+from utils.report.benchmarking import (
     AutocastInForward,
     OptimizerStepWatch,
     autocast_dtype,
     synthetic_images,
 )
-from utils.report.meters import ThroughputMeter, peak_memory_mb  # noqa: E402
+from utils.report.meters import ThroughputMeter, peak_memory_mb
 
 logger = logging.getLogger(__name__)
 

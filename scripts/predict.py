@@ -25,15 +25,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.device_input import autocast_dtype, normalise_on_device  # noqa: E402
-from utils.data.image_dataset import collate_images  # noqa: E402
-from utils.data.mnist import normalise_mnist  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.files import check_writable_file, write_text_atomically  # noqa: E402
-from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int  # noqa: E402
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.report.prediction_rows import WholeBatches, predictions_csv  # noqa: E402
-from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run  # noqa: E402
+from utils.data.device_input import autocast_dtype, normalise_on_device
+from utils.data.image_dataset import collate_images
+from utils.data.mnist import normalise_mnist
+from utils.errors import UserError, exit_with_error
+from utils.files import check_writable_file, write_text_atomically
+from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.report.prediction_rows import WholeBatches, predictions_csv
+from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run
 
 
 def parse_args(argv=None):

@@ -36,26 +36,26 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.device_decoding import (  # noqa: E402
+from utils.data.device_decoding import (
     EncodedImages,
     collate_encoded,
     decoding_first,
     device_decoding_refusal,
 )
-from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
-from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
-from utils.data.image_loading import load_image_datasets  # noqa: E402
-from utils.data.mixing import MixedImages  # noqa: E402
-from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
-from utils.data.streaming import (  # noqa: E402
+from utils.data.device_input import autocast_dtype, device_normaliser
+from utils.data.image_dataset import TransformedImages, collate_images
+from utils.data.image_loading import load_image_datasets
+from utils.data.mixing import MixedImages
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform
+from utils.data.streaming import (
     StreamedImages,
     StreamLoader,
     epoch_batches,
     load_image_stream,
     stream_for_this_process,
 )
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.launch.flags import (  # noqa: E402
+from utils.errors import UserError, exit_with_error
+from utils.launch.flags import (
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -71,42 +71,42 @@ from utils.launch.flags import (  # noqa: E402
     probability,
     tracker_config,
 )
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.metrics import load_metric  # noqa: E402
-from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
-from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
-from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import report_evaluation, report_run  # noqa: E402
-from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
-from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
-from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
-from utils.run.hangs import collective_timeouts_named  # noqa: E402
-from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer  # noqa: E402
-from utils.run.reproducibility import make_deterministic  # noqa: E402
-from utils.run.resume import (  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.metrics import load_metric
+from utils.models import build_model, stem_of, use_gradient_checkpointing
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter
+from utils.report.profiling import StepProfiler
+from utils.report.results import report_evaluation, report_run
+from utils.run.batch_size import fit_batch_size
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
+from utils.run.ddp_diagnosis import unused_parameters_named
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.hangs import collective_timeouts_named
+from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer
+from utils.run.reproducibility import make_deterministic
+from utils.run.resume import (
     accumulation_keeping,
     batches_to_skip,
     epochs_to_train,
     load_checkpoint,
     resume_point,
 )
-from utils.run.run_folder import (  # noqa: E402
+from utils.run.run_folder import (
     RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.run.signals import (  # noqa: E402
+from utils.run.signals import (
     StopSignal,
     exit_interrupted,
     ignore_stop_signals,
     stop_requested,
     stop_with_the_launcher,
 )
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss
 
 logger = get_logger(__name__)  # logs on the main process only, unless asked otherwise
 

@@ -35,9 +35,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.launch.flags import (  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset
+from utils.errors import UserError, exit_with_error
+from utils.launch.flags import (
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -45,35 +45,35 @@ from utils.launch.flags import (  # noqa: E402
     check_flag_combinations,
     tracker_config,
 )
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.metrics import load_metric  # noqa: E402
-from utils.models import ConvNet  # noqa: E402
-from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
-from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import report_evaluation, report_run  # noqa: E402
-from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
-from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
-from utils.run.hangs import collective_timeouts_named  # noqa: E402
-from utils.run.optim import build_lr_scheduler  # noqa: E402
-from utils.run.reproducibility import make_deterministic  # noqa: E402
-from utils.run.resume import (  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.metrics import load_metric
+from utils.models import ConvNet
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter
+from utils.report.profiling import StepProfiler
+from utils.report.results import report_evaluation, report_run
+from utils.run.batch_size import fit_batch_size
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.hangs import collective_timeouts_named
+from utils.run.optim import build_lr_scheduler
+from utils.run.reproducibility import make_deterministic
+from utils.run.resume import (
     accumulation_keeping,
     batches_to_skip,
     epochs_to_train,
     load_checkpoint,
     resume_point,
 )
-from utils.run.run_folder import (  # noqa: E402
+from utils.run.run_folder import (
     RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
+from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss
 
 logger = get_logger(__name__)  # logs on the main process only, unless asked otherwise
 
