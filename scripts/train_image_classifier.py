@@ -430,19 +430,15 @@ def main(args):
     args.gradient_accumulation_steps = accumulation_keeping(
         progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # [collective] the main process reads the folder (or downloads) and builds the datasets cache, downloads the
-    # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
-    # unless they share a filesystem)
+    # [collective] the main process fills the caches first (datasets, --pretrained weights, the metric's module); then
+    # the others read them
     with accelerator.main_process_first():
-        # --streaming: this process reads its own part of the stream (by its index and the process count)
         train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)
         model = build_image_model(args, len(class_names), accelerator.device)  # the device: for --sync_bn's check
         metric = load_metric("topk_accuracy")
     keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
-    # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
-    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy. --decode_on_device:
-    # the batches hold JPEGs, which the device decodes, crops and flips first.
+    # the workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them
     model_input = build_model_input(args, accelerator)
 
     # shared: the global batch

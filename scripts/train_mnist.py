@@ -183,8 +183,7 @@ def main(args):
     args.gradient_accumulation_steps = accumulation_keeping(
         progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # [collective] the main process downloads MNIST (without --data_dir) and loads the metric's module, then the
-    # others read those caches (on each machine, unless they share a filesystem)
+    # [collective] the main process downloads MNIST and the metric's module first; then the others read its caches
     with accelerator.main_process_first():
         splits = load_mnist(args.data_dir)
         metric = load_metric("accuracy")
