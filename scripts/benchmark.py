@@ -44,11 +44,11 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.files import create_output_dir  # noqa: E402
-from utils.launch.flags import ArgumentParser, positive_int  # noqa: E402
-from utils.report.benchmarking import (  # noqa: E402
+from utils.data.mnist import load_mnist
+from utils.errors import UserError, exit_with_error
+from utils.files import create_output_dir
+from utils.launch.flags import ArgumentParser, positive_int
+from utils.report.benchmarking import (
     METHODS, PRECISIONS, Combination, combination_of, cpu_threads_source, machine_facts, portable_command,
     portable_path, print_cpu_threads, run_environment, write_report,
 )

@@ -16,8 +16,7 @@ The four methods are four classes side by side, in the order a migration takes t
 DataParallel, DDP, Accelerate, each later one saying what it changes. They share one set of
 operations (start, loader, set_epoch, wrap, autocast, backward_and_step, sum_over_processes,
 gather_over_processes, broadcast_buffers, close), and main() runs the same statements whatever
-the method, so the methods' differences are the only differences timed. Lines marked
-`# [accelerate]` are Accelerate's.
+the method, so the methods' differences are the only differences timed.
 """
 
 import contextlib
@@ -32,26 +31,26 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn  # imported before any process group: see the end of main()
 import torch.nn.functional as F
-from accelerate import Accelerator  # [accelerate]
-from accelerate.utils import InitProcessGroupKwargs, broadcast  # [accelerate]
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, broadcast
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.files import write_json_atomically  # noqa: E402
-from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack  # noqa: E402
-from utils.models import ConvNet, build_model  # noqa: E402
-from utils.report.benchmarking import (  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset
+from utils.errors import UserError, exit_with_error
+from utils.files import write_json_atomically
+from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack
+from utils.models import ConvNet, build_model
+from utils.report.benchmarking import (
     AutocastInForward,
     OptimizerStepWatch,
     autocast_dtype,
     synthetic_images,
 )
-from utils.report.meters import ThroughputMeter, peak_memory_mb  # noqa: E402
+from utils.report.meters import ThroughputMeter, peak_memory_mb
 
 logger = logging.getLogger(__name__)
 
@@ -182,47 +181,47 @@ class Accelerate(Plain):
     torch.compile). Changed from Plain: every operation."""
 
     def __init__(self, args):
-        self.accelerator = Accelerator(  # [accelerate]
+        self.accelerator = Accelerator(
             cpu=args.cpu, mixed_precision=args.mixed_precision, step_scheduler_with_optimizer=False,
             dynamo_backend="inductor" if args.compile else "no",
             kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))],  # --ddp_timeout
         )
-        # [accelerate] which process this is, of how many, and its device
+        # which process this is, of how many, and its device
         super().__init__(args, self.accelerator.process_index, self.accelerator.num_processes,
                          self.accelerator.device)
 
     def loader(self, dataset):
-        return self.accelerator.prepare(super().loader(dataset))  # [accelerate] sharded per process
+        return self.accelerator.prepare(super().loader(dataset))  # sharded per process
 
     def set_epoch(self, loader, epoch):
-        loader.set_epoch(epoch)  # [accelerate] the prepared loader's shuffle
+        loader.set_epoch(epoch)  # the prepared loader's shuffle
 
     def wrap(self, model, optimizer, lr_scheduler):
-        return self.accelerator.prepare(model, optimizer, lr_scheduler)  # [accelerate]
+        return self.accelerator.prepare(model, optimizer, lr_scheduler)
 
     def autocast(self):
         return contextlib.nullcontext()  # the prepared model autocasts its own forward
 
     def backward_and_step(self, loss, optimizer, lr_scheduler):
-        self.accelerator.backward(loss)  # [accelerate] scales fp16 losses
+        self.accelerator.backward(loss)  # scales fp16 losses
         optimizer.step()  # the prepared optimizer skips it on fp16 overflow
-        if not self.accelerator.optimizer_step_was_skipped:  # [accelerate]
+        if not self.accelerator.optimizer_step_was_skipped:
             lr_scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
     def sum_over_processes(self, tensor):
-        return self.accelerator.reduce(tensor, reduction="sum")  # [accelerate]
+        return self.accelerator.reduce(tensor, reduction="sum")
 
     def gather_over_processes(self, rows):
-        return self.accelerator.gather(rows)  # [accelerate]
+        return self.accelerator.gather(rows)
 
     def broadcast_buffers(self, module):
-        broadcast(list(module.buffers()), from_process=0)  # [accelerate] in place
+        broadcast(list(module.buffers()), from_process=0)  # in place
 
     def close(self):
-        self.accelerator.wait_for_everyone()  # [accelerate]
-        self.accelerator.free_memory()  # [accelerate] drops its references to the model
-        self.accelerator.end_training()  # [accelerate] ends the process group
+        self.accelerator.wait_for_everyone()
+        self.accelerator.free_memory()  # drops its references to the model
+        self.accelerator.end_training()  # ends the process group
 
 
 METHODS = {"plain": Plain, "dataparallel": DataParallel, "ddp": DDP, "accelerate": Accelerate}

@@ -8,7 +8,7 @@
 The model (architecture, classes and their names, image size, stem, normalisation) is rebuilt from the run's
 run.json and results.json, never typed again here; the inputs go through the run's evaluation pipeline. The
 file has one row per input, in input order, byte for byte the same on any number of processes, and appears
-only when complete. Lines marked `# [accelerate]` are what differs from a plain PyTorch script.
+only when complete. Calls that every process must make together are marked `# [collective]`.
 """
 
 import argparse
@@ -18,22 +18,22 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
-from accelerate import Accelerator  # [accelerate]
-from accelerate.utils import DataLoaderConfiguration  # [accelerate]
+import torch.distributed.nn  # imported before the process group: see the end of main()
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.device_input import autocast_dtype, normalise_on_device  # noqa: E402
-from utils.data.image_dataset import collate_images  # noqa: E402
-from utils.data.mnist import normalise_mnist  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.files import check_writable_file, write_text_atomically  # noqa: E402
-from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int  # noqa: E402
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.report.prediction_rows import WholeBatches, predictions_csv  # noqa: E402
-from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run  # noqa: E402
+from utils.data.device_input import autocast_dtype, normalise_on_device
+from utils.data.image_dataset import collate_images
+from utils.data.mnist import normalise_mnist
+from utils.errors import UserError, exit_with_error
+from utils.files import check_writable_file, write_text_atomically
+from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.report.prediction_rows import WholeBatches, predictions_csv
+from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run
 
 
 def parse_args(argv=None):
@@ -108,12 +108,12 @@ def main(args):
     trained = read_trained_run(args.model_dir, WEIGHT_FILES[args.weights])
     if args.output_file is not None:
         check_writable_file(args.output_file, "--output_file")  # before the work, not after it
-    accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
+    accelerator = Accelerator(
         cpu=args.cpu, mixed_precision=args.mixed_precision,
         dataloader_config=DataLoaderConfiguration(non_blocking=True),  # copies of pinned batches overlap compute
     )
     check_accelerator(accelerator)
-    # [accelerate] the main process reads the folder (or downloads) and builds the datasets cache; the others wait
+    # [collective] the main process reads the folder (or downloads) and builds the datasets cache; the others wait
     with accelerator.main_process_first():
         inputs = read_inputs(trained, args.data_dir, args.dataset, args.split, args.dataset_config,
                              args.image_column, args.label_column).first(args.max_samples)
@@ -122,33 +122,33 @@ def main(args):
     if trained.is_mnist:
         normalise = normalise_mnist
     else:
-        input_dtype = autocast_dtype(accelerator.mixed_precision)  # [accelerate] the launch config's precision
+        input_dtype = autocast_dtype(accelerator.mixed_precision)  # the launch config's precision
         normalise = partial(normalise_on_device, dtype=input_dtype, channels_last=args.channels_last)
     batches = WholeBatches(inputs.dataset, args.batch_size, inputs.blank, stop_on_error=args.on_error == "stop")
 
     if args.export:  # instead of predicting: one process's work, the others wait
-        if accelerator.is_main_process:  # [accelerate]
+        if accelerator.is_main_process:
             export(model, trained, batches, inputs.description, args)
-        accelerator.wait_for_everyone()  # [accelerate]
-        accelerator.end_training()  # [accelerate]
+        accelerator.wait_for_everyone()  # [collective]
+        accelerator.end_training()
         return 0
 
-    model = model.to(accelerator.device)  # [accelerate] no prepare(): without training there is nothing to sync
+    model = model.to(accelerator.device)  # no prepare(): without training there is nothing to sync
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     num_workers = args.num_workers if args.num_workers is not None else 0 if trained.is_mnist else default_num_workers()
     dataloader = DataLoader(batches, batch_size=args.batch_size, num_workers=num_workers, collate_fn=collate_images,
                             pin_memory=accelerator.device.type == "cuda")  # channels-last uint8 batches, as in training
-    dataloader = accelerator.prepare(dataloader)  # [accelerate] process k takes batches k, k+N, ..., on its device
+    dataloader = accelerator.prepare(dataloader)  # process k takes batches k, k+N, ..., on its device
     top_k = min(args.top_k, len(trained.class_names))
     columns = ([], [], [], [], [])  # positions, unreadable flags, labels, top-k class ids, their probabilities
     progress_bar = tqdm(total=len(dataloader), disable=not accelerator.is_local_main_process)
     start = time.perf_counter()
     for images, labels, positions, unreadable in dataloader:
-        with torch.no_grad(), accelerator.autocast():  # [accelerate] the launch config's mixed precision
+        with torch.no_grad(), accelerator.autocast():
             logits = model(normalise(images))
         probabilities, classes = logits.float().softmax(dim=-1).topk(top_k, dim=-1)
-        # [accelerate] every process's rows; drops the batches repeated to give all processes equally many
+        # [collective] every process's rows; drops the batches repeated to give all processes equally many
         gathered = accelerator.gather_for_metrics((positions, unreadable, labels, classes, probabilities))
         for column, values in zip(columns, gathered):
             column.append(values.cpu())
@@ -156,7 +156,7 @@ def main(args):
     progress_bar.close()
     seconds = time.perf_counter() - start
 
-    if accelerator.is_main_process:  # [accelerate] one writer
+    if accelerator.is_main_process:  # one writer
         text, counts = predictions_csv(columns, inputs, batches, trained.class_names, top_k)
         write_text_atomically(args.output_file, text)  # a temporary file renamed: only a complete file appears
         count, labelled = len(inputs.dataset), counts["labelled"]
@@ -168,7 +168,7 @@ def main(args):
         print(f"Predicted {count} inputs ({inputs.description}) in {seconds:.2f} s: {count / seconds:.1f} images/s "
               f"on {accelerator.num_processes} process(es), precision {accelerator.mixed_precision}; {accuracy}"
               f"{counts['unreadable']} unreadable; wrote {args.output_file}", flush=True)
-    # [accelerate] end the process group: no gloo thread is left to abort the exit
+    # end the process group: no gloo thread is left to abort the exit
     accelerator.end_training()
     return 0
 

@@ -6,7 +6,7 @@
     accelerate launch scripts/train_image_classifier.py --dataset uoft-cs/cifar10 --image_size 32
 
 The same file runs on a CPU, one GPU, all GPUs of a node or several nodes: the launch
-config decides. Lines marked `# [accelerate]` are what differs from a plain PyTorch script.
+config decides. Its marks (`# [collective]`, `# shared:`): README.md, "Marks in the scripts".
 
 When the training set does not divide into global batches (--batch_size x processes), an epoch trains the whole
 global batches only and leaves the rest out (drop_last: a batch of one image would break BatchNorm): 52 images at
@@ -21,11 +21,11 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
+import torch.distributed.nn  # imported before the process group: see the end of main()
 import torch.nn.functional as F
-from accelerate import Accelerator  # [accelerate]
-from accelerate.logging import get_logger  # [accelerate]
-from accelerate.utils import (  # [accelerate]
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
@@ -36,26 +36,26 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.device_decoding import (  # noqa: E402
+from utils.data.device_decoding import (
     EncodedImages,
     collate_encoded,
     decoding_first,
     device_decoding_refusal,
 )
-from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
-from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
-from utils.data.image_loading import load_image_datasets  # noqa: E402
-from utils.data.mixing import MixedImages  # noqa: E402
-from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform  # noqa: E402
-from utils.data.streaming import (  # noqa: E402
+from utils.data.device_input import autocast_dtype, device_normaliser
+from utils.data.image_dataset import TransformedImages, collate_images
+from utils.data.image_loading import load_image_datasets
+from utils.data.mixing import MixedImages
+from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform
+from utils.data.streaming import (
     StreamedImages,
     StreamLoader,
     epoch_batches,
     load_image_stream,
     stream_for_this_process,
 )
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.launch.flags import (  # noqa: E402
+from utils.errors import UserError, exit_with_error
+from utils.launch.flags import (
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -71,44 +71,44 @@ from utils.launch.flags import (  # noqa: E402
     probability,
     tracker_config,
 )
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.metrics import load_metric  # noqa: E402
-from utils.models import build_model, stem_of, use_gradient_checkpointing  # noqa: E402
-from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
-from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import report_evaluation, report_run  # noqa: E402
-from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
-from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
-from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
-from utils.run.hangs import collective_timeouts_named  # noqa: E402
-from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer  # noqa: E402
-from utils.run.reproducibility import make_deterministic  # noqa: E402
-from utils.run.resume import (  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.metrics import load_metric
+from utils.models import build_model, stem_of, use_gradient_checkpointing
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter
+from utils.report.profiling import StepProfiler
+from utils.report.results import report_evaluation, report_run
+from utils.run.batch_size import fit_batch_size
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
+from utils.run.ddp_diagnosis import unused_parameters_named
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.hangs import collective_timeouts_named
+from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer
+from utils.run.reproducibility import make_deterministic
+from utils.run.resume import (
     accumulation_keeping,
     batches_to_skip,
     epochs_to_train,
     load_checkpoint,
     resume_point,
 )
-from utils.run.run_folder import (  # noqa: E402
+from utils.run.run_folder import (
     RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.run.signals import (  # noqa: E402
+from utils.run.signals import (
     StopSignal,
     exit_interrupted,
     ignore_stop_signals,
     stop_requested,
     stop_with_the_launcher,
 )
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss
 
-logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
+logger = get_logger(__name__)  # logs on the main process only, unless asked otherwise
 
 
 def parse_args(argv=None):
@@ -254,7 +254,7 @@ def build_datasets(args, accelerator, progress):
     """The training and evaluation images (decoded later, in the DataLoader workers, or on the GPU with
     --decode_on_device) and the class names. `accelerator`: its device, for --decode_on_device; with `progress` (the
     process's index and count, the checkpoint's), for --streaming."""
-    if args.decode_on_device and (refusal := device_decoding_refusal(accelerator.device)):  # [accelerate] its device
+    if args.decode_on_device and (refusal := device_decoding_refusal(accelerator.device)):
         raise UserError(refusal)  # a CUDA device and torchvision's batched nvJPEG decode, before any data is read
     if args.streaming:  # the training images as this process's part of a stream
         return build_stream_datasets(args, accelerator, progress)
@@ -280,13 +280,12 @@ def build_datasets(args, accelerator, progress):
 def build_stream_datasets(args, accelerator, progress):
     """--streaming: this process's part of the training stream, shuffled per epoch (utils/data/streaming.py), and the
     evaluation split in memory (map-style: evaluated exactly as without --streaming)."""
-    num_processes = accelerator.num_processes  # [accelerate] they split the stream: a checkpoint's epoch goes on
+    num_processes = accelerator.num_processes  # they split the stream: a checkpoint's epoch goes on
     if progress.global_step and progress.num_processes != num_processes:  # on as many processes only
         raise UserError(f"a --streaming run resumes on the process count that saved its checkpoint "
                         f"({progress.num_processes}, not {num_processes}): it splits the stream")
     train_stream, eval_split, image_column, label_column, class_names, label_ids = load_image_stream(
         args.data_dir, args.dataset, args.dataset_config, args.image_column, args.label_column)
-    # [accelerate] this process's index
     train_stream = stream_for_this_process(train_stream, args.seed, accelerator.process_index, num_processes)
     train_transforms = train_transform(args.image_size, args.augmentation, args.hflip)  # --augmentation, --hflip
     train_dataset = StreamedImages(train_stream, train_transforms, image_column, label_column, args.seed, label_ids)
@@ -300,7 +299,7 @@ def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
     epochs and ignore --save_on_signal's signals (the training processes handle them); uint8 batches stacked
     channels-last, as the workers resize them (collate_images); pinned memory for faster copies to a GPU. drop_last: a
     last batch of one image would break BatchNorm in training. A stream's training loader is this process's own."""
-    pin_memory = accelerator.device.type == "cuda"  # [accelerate] this process's device
+    pin_memory = accelerator.device.type == "cuda"
     options = {"batch_size": args.batch_size, "num_workers": args.num_workers,
                "collate_fn": collate_encoded if args.decode_on_device else collate_images,
                "persistent_workers": args.num_workers > 0, "pin_memory": pin_memory,
@@ -327,15 +326,15 @@ def build_model_input(args, accelerator):
     """What the training loop and evaluation apply to each batch: the uint8 batch cast to the autocast dtype,
     normalised, channels-last with --channels_last, in one copy on the device; with --decode_on_device its JPEGs
     decoded by nvJPEG, cropped, resized and flipped there first (utils/data/device_decoding.py)."""
-    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
+    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)
     if args.decode_on_device:
-        return decoding_first(model_input, accelerator.device, args.image_size)  # [accelerate] this process's GPU
+        return decoding_first(model_input, accelerator.device, args.image_size)
     return model_input
 
 
 def ddp_options(args):
     """--find_unused_parameters and --ddp_comm_hook, for the DistributedDataParallel that Accelerate builds."""
-    return DistributedDataParallelKwargs(  # [accelerate]
+    return DistributedDataParallelKwargs(
         find_unused_parameters=args.find_unused_parameters,
         comm_hook=DDPCommunicationHookType(args.ddp_comm_hook or "no"),
     )
@@ -358,7 +357,7 @@ def build_image_model(args, num_classes: int, device):
 
 def describe_model(args, accelerator, model, class_names, train_dataset) -> dict:
     """What predict.py needs to rebuild the model, and the recipe --augmentation auto chose: for results.json."""
-    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # [accelerate] no DDP or compile wrapper
+    plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)  # no DDP or compile wrapper
     return {
         "model": args.model, "image_size": args.image_size, "augmentation": args.augmentation, "hflip": args.hflip,
         "stem": stem_of(plain_model),  # ResNets: small or imagenet
@@ -378,8 +377,7 @@ def evaluate(accelerator, model, dataloader, metric, model_input, ema=None):
             logits = model(model_input(images))
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
         top_k = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-        # [accelerate] collect every process's batch; drops the samples that were repeated
-        # to give all processes equally many batches, so each sample counts exactly once.
+        # [collective] every process's batch, without the samples repeated to give all processes equally many
         top_k, labels, losses = accelerator.gather_for_metrics((top_k, labels, losses))
         metric.add_batch(predictions=top_k, references=labels)
         per_sample_losses.append(losses)
@@ -399,9 +397,9 @@ def main(args):
     # shared: start-up
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
-    make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
+    make_deterministic(args.deterministic)
 
-    accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
+    accelerator = Accelerator(
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
         cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to or None,
         project_dir=args.output_dir, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -416,83 +414,69 @@ def main(args):
     # shared: after the Accelerator
     check_accelerator(accelerator)
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
-    logger.info(accelerator.state)  # [accelerate]
-    set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
+    logger.info(accelerator.state)
+    set_seed(args.seed)  # same seed on every process: identical initial weights
 
     # shared: resume or not
-    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
     checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
     folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
                        args.overwrite_output_dir, args.eval_only)
     check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
-    resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
-    # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
+    resuming = checkpoint is not None and not args.eval_only
     if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):
-        accelerator.end_training()  # [accelerate]
+        accelerator.end_training()
         return 0
     # a resume keeps the checkpoint's global batch (on any number of processes): its schedule and optimizer state
-    args.gradient_accumulation_steps = accumulation_keeping(  # [accelerate] this run's process count
+    args.gradient_accumulation_steps = accumulation_keeping(
         progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # [accelerate] the main process reads the folder (or downloads) and builds the datasets cache, downloads the
-    # --pretrained weights and loads the metric's module; then the others read those caches (on each machine,
-    # unless they share a filesystem)
+    # [collective] the main process fills the caches first (datasets, --pretrained weights, the metric's module); then
+    # the others read them
     with accelerator.main_process_first():
-        # --streaming: this process reads its own part of the stream (by its index and the process count)
         train_dataset, eval_dataset, class_names = build_datasets(args, accelerator, progress)
-        model = build_image_model(args, len(class_names), accelerator.device)  # [accelerate] the device: --sync_bn
+        model = build_image_model(args, len(class_names), accelerator.device)  # the device: for --sync_bn's check
         metric = load_metric("topk_accuracy")
     keep_batchnorm_in_fp32(accelerator, model)  # FSDP + bf16/fp16: BatchNorm in fp32, as FSDP1 did (utils/run/fsdp.py)
     optimizer = build_optimizer(model, args.optimizer, args.learning_rate, args.weight_decay, args.momentum)
-    # The workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them, in the
-    # autocast dtype under mixed precision and channels-last with --channels_last, in one copy. --decode_on_device:
-    # the batches hold JPEGs, which the device decodes, crops and flips first.
-    model_input = build_model_input(args, accelerator)  # on its device, in its mixed precision
+    # the workers hand over uint8 batches (a quarter of float32's bytes to copy); the device normalises them
+    model_input = build_model_input(args, accelerator)
 
     # shared: the global batch
-    if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
+    if args.auto_find_batch_size:
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
             progress if resuming else None, model_input)
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
-    # [accelerate] the process count and global batch in effect, as its checkpoints will record them
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # as resumed or fitted
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # --streaming: the training loader reads this process's part of the stream
     train_dataloader, eval_dataloader = build_loaders(args, accelerator, train_dataset, eval_dataset)
-    plan = step_plan(args, progress, train_dataset)  # --max_steps, --eval_steps, ... in epochs of whole global batches
-    # --lr_scheduler_type over the plan's steps, its warmup
+    plan = step_plan(args, progress, train_dataset)
     lr_scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, plan, args.warmup_steps, args.warmup_epochs)
-    # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
+    # shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
         train_dataloader, eval_dataloader, model, optimizer, lr_scheduler)
 
     # shared: resume, then the first write
-    # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    # and loaded from one (utils/run/ema.py)
+    # --model_ema: a moving average of the plain weights on every process, kept in each checkpoint (utils/run/ema.py)
     ema = build_model_ema(accelerator, model, checkpoint, plan.max_steps, args.model_ema, args.model_ema_decay,
                           args.model_ema_warmup)
     # [collective] load_state, if there is a checkpoint
     load_checkpoint(accelerator, model, checkpoint, progress, args.resume_from_checkpoint, args.output_dir)
-    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
     accelerator.step = 0
-    if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
+    if accelerator.is_main_process:  # only now, with data, model and checkpoint valid, does it write
         # --overwrite_output_dir deletes the old run first; then run.json
         start_output_dir(folder, progress, args.batch_size, args.gradient_accumulation_steps)
-    # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
     accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training metrics and the last evaluation's
-    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
-    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
-    # [accelerate] one progress bar per machine
+    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)
+    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # the norms before --max_grad_norm clips them
     steps_bar = tqdm(total=plan.max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
+    # the logs and evaluations that --logging_steps and --eval_steps ask for between steps (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, model_input, ema)
     events = TrainingEvents(plan, evaluation, model, ema, args.output_dir, results, running_loss, meter, lr_scheduler)
 
@@ -502,9 +486,9 @@ def main(args):
         # [collective] --early_stopping_patience
         for epoch in epochs_to_train(accelerator, progress, plan, args.eval_only):
             model.train()
-            train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
+            train_dataloader.set_epoch(epoch)
             train_dataset.set_epoch(epoch)  # new augmentations per epoch, reproducibly
-            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)
             # [collective] a loader that starts after the batches the checkpoint's run trained in this epoch; a
             # stream's ends where a process's part does, on every process (utils/data/streaming.py)
             batches = epoch_batches(accelerator, train_dataloader, skip, args.gradient_accumulation_steps)
@@ -514,32 +498,31 @@ def main(args):
                 if progress.global_step == (epoch + 1) * plan.steps_per_epoch or plan.training_over(progress):
                     break
                 images = model_input(images)
-                # [accelerate] accumulate: no DDP all-reduce on accumulation steps; DDP's unused-parameter error named
+                # accumulate: no DDP all-reduce on accumulation steps; DDP's unused-parameter error named
                 with accelerator.accumulate(model), unused_parameters_named(accelerator, model, images):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels, label_smoothing=args.label_smoothing)
                     # shared: the optimizer step
-                    accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
-                        # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
+                    accelerator.backward(loss)
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:
+                        # clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
                         grad_norms.add(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # [accelerate]
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()
-                        update_model_ema(ema)  # --model_ema: the average takes in the new weights
+                        update_model_ema(ema)
                     optimizer.zero_grad()
                 # shared: after each batch
                 running_loss.add(loss, logits, labels, step=progress.global_step + 1)
                 meter.batch_done(len(labels))
                 profiler.step()
-                if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
+                if accelerator.sync_gradients:  # True at the end of each accumulation cycle
                     progress.global_step += 1
-                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
+                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped
                     steps_bar.update(1)
                     # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                    # [collective] what --logging_steps and --eval_steps ask after this step: log the mean training
-                    # loss, evaluate (logged, best/ kept); before a checkpoint of this step, which then holds it all
+                    # [collective] the logs and evaluation due after this step: before its checkpoint, which holds them
                     after_step(accelerator, events, progress, epoch)
                     if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
                         with meter.paused():  # saving is not training time
@@ -555,8 +538,7 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-            # [collective] the epoch's exact mean training loss (an epoch the run ended inside: of its samples so far),
-            # with the evaluation due (after every epoch; with --eval_steps at the run's end), logged, best/ kept
+            # [collective] the epoch's exact mean training loss and the evaluation due, logged, best/ kept
             at_epoch_end(accelerator, events, progress, epoch, **progress.end_epoch(), **grad_norms.take())
             if args.checkpointing_steps == "epoch":
                 # [collective] every process writes its part
@@ -567,20 +549,20 @@ def main(args):
     results.update(describe_model(args, accelerator, model, class_names, train_dataset))
     # shared: the end
     if not stopping:
-        accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
+        accelerator.wait_for_everyone()  # [collective] all processes done before the main one saves
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
-        else:  # the plain model's weights
-            # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
+        else:
+            # [collective] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
             report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,
                        args.gradient_accumulation_steps, args.learning_rate, args.seed, args.max_grad_norm)
-    # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
+    # release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
-    accelerator.end_training()  # [accelerate] closes the trackers and the process group
+    accelerator.end_training()
     return stop_signal.exit_status if stopping else 0
 
 

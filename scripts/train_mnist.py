@@ -8,9 +8,9 @@ scripts/minimal_mnist.py is the same model and data in one short file (Adam at a
 rate, no checkpoints). This one adds what a real run needs: a one-cycle learning-rate schedule,
 checkpoints and resume (also on another number of processes), preemption, the exact training
 loss, tracking and results.json. The same file runs on a CPU, one GPU, all GPUs of a
-node or several nodes: the launch config decides. Lines marked `# [accelerate]` are what differs
-from a plain PyTorch script; each block from a `# shared:` line to the next blank line is identical
-in train_image_classifier.py (tests/test_scripts_stay_in_step.py keeps them so).
+node or several nodes: the launch config decides. Calls that every process must make together are marked
+`# [collective]`; each block from a `# shared:` line to the next blank line is identical
+in train_image_classifier.py (README.md, "Marks in the scripts").
 
 When the training set does not divide into global batches (--batch_size x processes), an epoch also trains the
 samples Accelerate repeats to give every process equally many full batches: 50 samples at --batch_size 8 train
@@ -26,18 +26,18 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
+import torch.distributed.nn  # imported before the process group: see the end of main()
 import torch.nn.functional as F
-from accelerate import Accelerator  # [accelerate]
-from accelerate.logging import get_logger  # [accelerate]
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed  # [accelerate]
+from accelerate import Accelerator
+from accelerate.logging import get_logger
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
-from utils.errors import UserError, exit_with_error  # noqa: E402
-from utils.launch.flags import (  # noqa: E402
+from utils.data.mnist import load_mnist, to_tensor_dataset
+from utils.errors import UserError, exit_with_error
+from utils.launch.flags import (
     add_lr_scheduler_flags,
     add_model_ema_flags,
     add_step_flags,
@@ -45,37 +45,37 @@ from utils.launch.flags import (  # noqa: E402
     check_flag_combinations,
     tracker_config,
 )
-from utils.launch.launch_checks import check_accelerator, check_enough_devices  # noqa: E402
-from utils.metrics import load_metric  # noqa: E402
-from utils.models import ConvNet  # noqa: E402
-from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter  # noqa: E402
-from utils.report.profiling import StepProfiler  # noqa: E402
-from utils.report.results import report_evaluation, report_run  # noqa: E402
-from utils.run.batch_size import fit_batch_size  # noqa: E402
-from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
-from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
-from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
-from utils.run.hangs import collective_timeouts_named  # noqa: E402
-from utils.run.optim import build_lr_scheduler  # noqa: E402
-from utils.run.reproducibility import make_deterministic  # noqa: E402
-from utils.run.resume import (  # noqa: E402
+from utils.launch.launch_checks import check_accelerator, check_enough_devices
+from utils.metrics import load_metric
+from utils.models import ConvNet
+from utils.report.meters import GradNorms, RunningLoss, ThroughputMeter
+from utils.report.profiling import StepProfiler
+from utils.report.results import report_evaluation, report_run
+from utils.run.batch_size import fit_batch_size
+from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
+from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
+from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.hangs import collective_timeouts_named
+from utils.run.optim import build_lr_scheduler
+from utils.run.reproducibility import make_deterministic
+from utils.run.resume import (
     accumulation_keeping,
     batches_to_skip,
     epochs_to_train,
     load_checkpoint,
     resume_point,
 )
-from utils.run.run_folder import (  # noqa: E402
+from utils.run.run_folder import (
     RunFolder,
     check_output_dir,
     nothing_left_to_train,
     one_training_at_a_time,
     start_output_dir,
 )
-from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher  # noqa: E402
-from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss  # noqa: E402
+from utils.run.signals import StopSignal, exit_interrupted, stop_requested, stop_with_the_launcher
+from utils.run.steps import StepPlan, TrainingEvents, after_step, at_epoch_end, gather_running_loss
 
-logger = get_logger(__name__)  # [accelerate] logs on the main process only, unless asked otherwise
+logger = get_logger(__name__)  # logs on the main process only, unless asked otherwise
 
 
 def parse_args(argv=None):
@@ -111,7 +111,7 @@ def describe_run(args) -> dict:
 
 def build_loaders(args, accelerator, train_dataset, eval_dataset) -> tuple:
     """The training and evaluation DataLoaders: --batch_size per process, pinned memory for a GPU."""
-    pin_memory = accelerator.device.type == "cuda"  # [accelerate]
+    pin_memory = accelerator.device.type == "cuda"
     return (DataLoader(train_dataset, args.batch_size, shuffle=True, pin_memory=pin_memory),
             DataLoader(eval_dataset, args.batch_size, pin_memory=pin_memory))
 
@@ -134,8 +134,7 @@ def evaluate(accelerator, model, dataloader, metric, ema=None):
         with torch.no_grad():
             logits = model(images)
         losses = F.cross_entropy(logits.float(), labels, reduction="none")
-        # [accelerate] collect every process's batch; drops the samples that were repeated
-        # to give all processes equally many batches, so each sample counts exactly once.
+        # [collective] every process's batch, without the samples repeated to give all processes equally many
         predictions, labels, losses = accelerator.gather_for_metrics((logits.argmax(dim=-1), labels, losses))
         metric.add_batch(predictions=predictions, references=labels)
         per_sample_losses.append(losses)
@@ -153,9 +152,9 @@ def main(args):
     # shared: start-up
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
-    make_deterministic(args.deterministic)  # --deterministic: repeatable GPU kernels, where PyTorch has them
+    make_deterministic(args.deterministic)
 
-    accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
+    accelerator = Accelerator(
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
         cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to or None,
         project_dir=args.output_dir, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -168,27 +167,23 @@ def main(args):
     # shared: after the Accelerator
     check_accelerator(accelerator)
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
-    logger.info(accelerator.state)  # [accelerate]
-    set_seed(args.seed)  # [accelerate] same seed on every process: identical initial weights
+    logger.info(accelerator.state)
+    set_seed(args.seed)  # same seed on every process: identical initial weights
 
     # shared: resume or not
-    # the checkpoint to resume from and the progress it saved (none: a fresh start; utils/run/resume.py)
     checkpoint, progress = resume_point(args.resume_from_checkpoint, args.output_dir, args.eval_only)
-    # what defines this run (recorded as run.json with each of its checkpoints), for how long, into which folder
     folder = RunFolder(args.output_dir, describe_run(args), args.epochs, args.max_steps, args.early_stopping_patience,
                        args.overwrite_output_dir, args.eval_only)
     check_output_dir(folder, checkpoint, args.resume_from_checkpoint)  # never two runs in one --output_dir
-    resuming = checkpoint is not None and not args.eval_only  # training continues from a checkpoint
-    # this run finished (by its results.json), or its checkpoint is at its end: says so, and leaves the files be
+    resuming = checkpoint is not None and not args.eval_only
     if nothing_left_to_train(folder, progress, checkpoint, args.metric_for_best):
-        accelerator.end_training()  # [accelerate]
+        accelerator.end_training()
         return 0
     # a resume keeps the checkpoint's global batch (on any number of processes): its schedule and optimizer state
-    args.gradient_accumulation_steps = accumulation_keeping(  # [accelerate] this run's process count
+    args.gradient_accumulation_steps = accumulation_keeping(
         progress if resuming else None, accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
-    # [accelerate] the main process downloads MNIST (without --data_dir) and loads the metric's module, then the
-    # others read those caches (on each machine, unless they share a filesystem)
+    # [collective] the main process downloads MNIST and the metric's module first; then the others read its caches
     with accelerator.main_process_first():
         splits = load_mnist(args.data_dir)
         metric = load_metric("accuracy")
@@ -200,47 +195,41 @@ def main(args):
     model_input = None  # the batches are the model's input as they are (train_image_classifier normalises them)
 
     # shared: the global batch
-    if args.auto_find_batch_size:  # halves --batch_size until a training step fits on every process
+    if args.auto_find_batch_size:
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
             progress if resuming else None, model_input)
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
-    # [accelerate] the process count and global batch in effect, as its checkpoints will record them
+    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # as resumed or fitted
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
     train_dataloader, eval_dataloader = build_loaders(args, accelerator, train_dataset, eval_dataset)
-    plan = step_plan(args, progress, train_dataset)  # --max_steps (else --epochs), --eval_steps, --logging_steps
-    # --lr_scheduler_type over the plan's steps, its warmup
+    plan = step_plan(args, progress, train_dataset)
     lr_scheduler = build_lr_scheduler(optimizer, args.lr_scheduler_type, plan, args.warmup_steps, args.warmup_epochs)
-    # [accelerate] shards the dataloaders per process and moves batches to the device; DDP on several
+    # shards the dataloaders per process and moves batches to the device; DDP on several
     # processes, mixed precision (autocast; fp16: a GradScaler), all saved by save_state.
     train_dataloader, eval_dataloader, model, optimizer, lr_scheduler = accelerator.prepare(
         train_dataloader, eval_dataloader, model, optimizer, lr_scheduler)
 
     # shared: resume, then the first write
-    # --model_ema: a moving average of the plain weights on every process, saved with each checkpoint from now on
-    # and loaded from one (utils/run/ema.py)
+    # --model_ema: a moving average of the plain weights on every process, kept in each checkpoint (utils/run/ema.py)
     ema = build_model_ema(accelerator, model, checkpoint, plan.max_steps, args.model_ema, args.model_ema_decay,
                           args.model_ema_warmup)
     # [collective] load_state, if there is a checkpoint
     load_checkpoint(accelerator, model, checkpoint, progress, args.resume_from_checkpoint, args.output_dir)
-    # [accelerate] load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
+    # load_state restored the saving run's count of batches in the accumulation cycle; a checkpoint is
     # always saved at the end of a cycle, so the next one starts afresh
     accelerator.step = 0
-    if accelerator.is_main_process:  # [accelerate] only now, with data, model and checkpoint valid, does it write
+    if accelerator.is_main_process:  # only now, with data, model and checkpoint valid, does it write
         # --overwrite_output_dir deletes the old run first; then run.json
         start_output_dir(folder, progress, args.batch_size, args.gradient_accumulation_steps)
-    # [accelerate] --report_to's trackers (none: nothing to do), with the flags as hyperparameters
     accelerator.init_trackers(Path(__file__).stem, config=tracker_config(args))
     results = {"train_loss": None}  # the last epoch's training metrics and the last evaluation's
-    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)  # [accelerate]
-    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # [accelerate] norms before --max_grad_norm
-    # [accelerate] one progress bar per machine
+    meter, running_loss = ThroughputMeter(accelerator.device), RunningLoss(accelerator.device)
+    grad_norms = GradNorms(accelerator.device, args.max_grad_norm)  # the norms before --max_grad_norm clips them
     steps_bar = tqdm(total=plan.max_steps, initial=progress.global_step, disable=not accelerator.is_local_main_process)
     stopping = False  # --save_on_signal: a signal arrived; every process stops after the same step
 
-    # what happens between the optimizer steps besides training: training-loss logs and evaluations (logged, best/
-    # kept), as --logging_steps and --eval_steps ask (utils/run/steps.py)
+    # the logs and evaluations that --logging_steps and --eval_steps ask for between steps (utils/run/steps.py)
     evaluation = partial(evaluate, accelerator, model, eval_dataloader, metric, ema)
     events = TrainingEvents(plan, evaluation, model, ema, args.output_dir, results, running_loss, meter, lr_scheduler)
 
@@ -250,39 +239,38 @@ def main(args):
         # [collective] --early_stopping_patience
         for epoch in epochs_to_train(accelerator, progress, plan, args.eval_only):
             model.train()
-            train_dataloader.set_epoch(epoch)  # [accelerate] reshuffle per epoch, reproducibly
-            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)  # [accelerate] on a resume
-            # [accelerate] a loader that starts after the batches the checkpoint's run trained in this epoch
+            train_dataloader.set_epoch(epoch)
+            skip = batches_to_skip(progress, accelerator.num_processes, args.batch_size)
+            # on a resume: a loader that starts after the batches the checkpoint's run trained in this epoch
             batches = accelerator.skip_first_batches(train_dataloader, skip) if skip else train_dataloader
             meter.start()
             for images, labels in batches:
-                if plan.training_over(progress):  # --max_steps done or early stopping: the epoch ends here
+                if plan.training_over(progress):
                     break
-                with accelerator.accumulate(model):  # [accelerate] no DDP all-reduce on accumulation steps
+                with accelerator.accumulate(model):  # no DDP all-reduce on accumulation steps
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)
                     # shared: the optimizer step
-                    accelerator.backward(loss)  # [accelerate] instead of loss.backward(): scales fp16 losses
-                    if args.max_grad_norm is not None and accelerator.sync_gradients:  # [accelerate] end of a cycle
-                        # [accelerate] clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
+                    accelerator.backward(loss)
+                    if args.max_grad_norm is not None and accelerator.sync_gradients:
+                        # clip_grad_norm_ unscales fp16 gradients first (and is FSDP-aware)
                         grad_norms.add(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
                     optimizer.step()  # skipped on accumulation steps and on fp16 overflow
-                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:  # [accelerate]
+                    if accelerator.sync_gradients and not accelerator.optimizer_step_was_skipped:
                         lr_scheduler.step()
-                        update_model_ema(ema)  # --model_ema: the average takes in the new weights
+                        update_model_ema(ema)
                     optimizer.zero_grad()
                 # shared: after each batch
                 running_loss.add(loss, logits, labels, step=progress.global_step + 1)
                 meter.batch_done(len(labels))
                 profiler.step()
-                if accelerator.sync_gradients:  # [accelerate] True at the end of each accumulation cycle
+                if accelerator.sync_gradients:  # True at the end of each accumulation cycle
                     progress.global_step += 1
-                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped  # [accelerate] fp16
+                    progress.optimizer_steps_skipped += accelerator.optimizer_step_was_skipped
                     steps_bar.update(1)
                     # [collective] Accelerate's set_trigger/check_trigger: all processes stop after the same step
                     stopping = args.save_on_signal and stop_requested(accelerator, stop_signal)
-                    # [collective] what --logging_steps and --eval_steps ask after this step: log the mean training
-                    # loss, evaluate (logged, best/ kept); before a checkpoint of this step, which then holds it all
+                    # [collective] the logs and evaluation due after this step: before its checkpoint, which holds them
                     after_step(accelerator, events, progress, epoch)
                     if stopping or step_checkpoint_due(args.checkpointing_steps, progress.global_step):
                         with meter.paused():  # saving is not training time
@@ -298,8 +286,7 @@ def main(args):
                 break
 
             gather_running_loss(accelerator, running_loss, progress, args.output_dir)  # [collective]
-            # [collective] the epoch's exact mean training loss (an epoch the run ended inside: of its samples so far),
-            # with the evaluation due (after every epoch; with --eval_steps at the run's end), logged, best/ kept
+            # [collective] the epoch's exact mean training loss and the evaluation due, logged, best/ kept
             at_epoch_end(accelerator, events, progress, epoch, **progress.end_epoch(), **grad_norms.take())
             if args.checkpointing_steps == "epoch":
                 # [collective] every process writes its part
@@ -309,20 +296,20 @@ def main(args):
         results.update(evaluate(accelerator, model, eval_dataloader, metric, ema))  # [collective]
     # shared: the end
     if not stopping:
-        accelerator.wait_for_everyone()  # [accelerate] all processes done before the main one saves
+        accelerator.wait_for_everyone()  # [collective] all processes done before the main one saves
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
-        else:  # the plain model's weights
-            # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
+        else:
+            # [collective] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
             accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
             report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,
                        args.gradient_accumulation_steps, args.learning_rate, args.seed, args.max_grad_norm)
-    # [accelerate] release the DDP model first: end_training then stops gloo's threads before Python exits
+    # release the DDP model first: end_training then stops gloo's threads before Python exits
     # (one left at exit can abort it; docs/migration_guide.md, "Ending a run cleanly")
     model, optimizer = accelerator.free_memory(model, optimizer)
-    accelerator.end_training()  # [accelerate] closes the trackers and the process group
+    accelerator.end_training()
     return stop_signal.exit_status if stopping else 0
 
 

@@ -1,11 +1,13 @@
-"""The two training scripts (and benchmark_train.py) mark what is Accelerate and what is ours, truthfully.
+"""The scripts' marks mean what README.md's "Marks in the scripts" says, and nothing else.
 
-- `# [accelerate]`: the statement uses Accelerate (`accelerator.…`, `Accelerator(`, a name imported from
-  accelerate, an accelerate import). Every such statement carries it on one of its lines (a compound statement:
-  on its header) or in the comment lines right above it; no other statement carries it, except a call on an object
-  `accelerator.prepare` returned and the torch.distributed import. `self.accelerator` counts as `accelerator`.
-- `# [collective]`: the statement calls one of our helpers that every process must call at the same point
-  (utils.COLLECTIVE_HELPERS). Every such call carries it; no other statement does.
+- `# [accelerate]` belongs to the migration pairs (minimal_mnist.py and the converted_*.py scripts), where it marks
+  the lines changed from the plain-PyTorch baseline (tests/test_minimal.py and tests/test_whole_script_conversion.py
+  check that every changed hunk carries one). No other script, and nothing in utils/, carries it.
+- `# [collective]`, in the complete scripts: the statement makes a call that every process must make at the same
+  point: an Accelerate collective (ACCELERATE_COLLECTIVES), one of our helpers that reaches one
+  (utils.COLLECTIVE_HELPERS) or the script's own function that does (its evaluate). Every such statement carries it
+  on one of its lines (a compound statement: on its header) or in the comment lines right above it; no other
+  statement does. `self.accelerator` counts as `accelerator`.
 
 utils.COLLECTIVE_HELPERS itself is checked against the code: a helper is collective when it calls an Accelerate
 collective (gather, barrier, trigger, save/load state...) or another collective helper.
@@ -22,28 +24,20 @@ from helpers import REPO, TRAIN_MNIST
 from utils import COLLECTIVE_HELPERS
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
-# the two training scripts, and the benchmark's four methods side by side (its Accelerate class's calls marked)
-SCRIPTS = [TRAIN_MNIST, CLASSIFIER, REPO / "scripts" / "benchmark_train.py"]
+# the scripts users copy whole, whose processes must meet at the same calls
+COMPLETE_SCRIPTS = [TRAIN_MNIST, CLASSIFIER, REPO / "scripts" / "predict.py"]
+MIGRATION_PAIRS_AFTER = [REPO / "scripts" / "minimal_mnist.py", *sorted((REPO / "scripts").glob("converted_*.py"))]
 # Accelerator methods and accelerate functions that every process must reach together
 ACCELERATE_COLLECTIVES = {"gather", "gather_for_metrics", "reduce", "pad_across_processes", "wait_for_everyone",
                           "check_trigger", "save_state", "load_state", "save_model", "get_state_dict",
                           "main_process_first", "gather_object", "broadcast_object_list", "broadcast"}
-MARK = re.compile(r"#.*\[(accelerate|collective)\]")
+COLLECTIVE_MARK = re.compile(r"#.*\[collective\]")
+ACCELERATE_MARK = re.compile(r"#.*\[accelerate\]")
 
 
 def comments_by_line(source: str) -> dict:
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     return {token.start[0]: token.string for token in tokens if token.type == tokenize.COMMENT}
-
-
-def own_lines(statement) -> range:
-    """A simple statement's lines; a compound statement's header only (its body is checked statement by statement)."""
-    if isinstance(statement, (ast.FunctionDef, ast.ClassDef, ast.Try)):
-        return range(statement.lineno, statement.lineno + 1)
-    header = header_nodes(statement)
-    if header is not None:
-        return range(statement.lineno, max(node.end_lineno for node in header) + 1)
-    return range(statement.lineno, statement.end_lineno + 1)
 
 
 def header_nodes(statement):
@@ -54,21 +48,29 @@ def header_nodes(statement):
         return [statement.target, statement.iter]
     if isinstance(statement, (ast.With, ast.AsyncWith)):
         return [part for item in statement.items for part in (item.context_expr, item.optional_vars) if part]
-    if isinstance(statement, (ast.FunctionDef, ast.ClassDef, ast.Try)):
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Try)):
         return []
     return None
 
 
-def marks(statement, comments: dict, lines: list) -> set:
-    """The markers on a statement's own lines and in the comment-only lines right above it."""
-    found = {m.group(1) for n in own_lines(statement) if n in comments for m in [MARK.search(comments[n])] if m}
+def own_lines(statement) -> range:
+    """A simple statement's lines; a compound statement's header only (its body is checked statement by statement)."""
+    header = header_nodes(statement)
+    if header is None:
+        return range(statement.lineno, statement.end_lineno + 1)
+    return range(statement.lineno, max([statement.lineno] + [node.end_lineno for node in header]) + 1)
+
+
+def is_marked(statement, comments: dict, lines: list) -> bool:
+    """`# [collective]` on the statement's own lines or in the comment-only lines right above it."""
+    if any(n in comments and COLLECTIVE_MARK.search(comments[n]) for n in own_lines(statement)):
+        return True
     above = statement.lineno - 1
     while above >= 1 and lines[above - 1].strip().startswith("#"):
-        match = MARK.search(lines[above - 1])
-        if match:
-            found.add(match.group(1))
+        if COLLECTIVE_MARK.search(lines[above - 1]):
+            return True
         above -= 1
-    return found
+    return False
 
 
 def is_accelerator(node) -> bool:
@@ -77,66 +79,85 @@ def is_accelerator(node) -> bool:
         isinstance(node, ast.Attribute) and node.attr == "accelerator"
 
 
+def is_collective_call(node, collective_functions: set) -> bool:
+    """`accelerator.<an Accelerate collective>(...)`, or a call of a collective function by its name."""
+    if not isinstance(node, ast.Call):
+        return False
+    function = node.func
+    return isinstance(function, ast.Attribute) and function.attr in ACCELERATE_COLLECTIVES and \
+        is_accelerator(function.value) or isinstance(function, ast.Name) and function.id in collective_functions
+
+
 def problems(source: str) -> list:
-    """Every statement whose markers do not match what it calls, as 'line N: ...'."""
+    """Every statement whose `# [collective]` mark does not match what it calls, as 'line N: ...'."""
     tree, comments, lines = ast.parse(source), comments_by_line(source), source.splitlines()
-    from_accelerate, prepared = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "accelerate":
-            from_accelerate |= {alias.asname or alias.name for alias in node.names}
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
-                isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "prepare":
-            targets = node.targets[0].elts if isinstance(node.targets[0], ast.Tuple) else node.targets
-            prepared |= {target.id for target in targets if isinstance(target, ast.Name)}
-    # the script's own functions that reach a collective (its evaluate: gather_for_metrics) count as helpers
+    # accelerate's own collective functions imported by name (`from accelerate.utils import broadcast`)
     collective = set(COLLECTIVE_HELPERS) | {
-        node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name != "main" and any(
-            isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ACCELERATE_COLLECTIVES
-            for n in ast.walk(node))}
+        alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+        and (node.module or "").split(".")[0] == "accelerate" for alias in node.names
+        if alias.name in ACCELERATE_COLLECTIVES}
+    # the script's own functions that reach a collective (its evaluate: gather_for_metrics) count as helpers
+    collective |= {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name != "main"
+                   and any(is_collective_call(n, collective) for n in ast.walk(node))}
     found = []
     for statement in ast.walk(tree):
         if not isinstance(statement, ast.stmt):
             continue
         header = header_nodes(statement)
         nodes = [n for top in (header if header is not None else [statement]) for n in ast.walk(top)]
-        uses_accelerate = isinstance(statement, ast.ImportFrom) and statement.module.split(".")[0] == "accelerate" or \
-            any(isinstance(n, ast.Attribute) and is_accelerator(n.value)
-                or isinstance(n, ast.Name) and n.id in from_accelerate for n in nodes)
-        calls = {n.func.id if isinstance(n.func, ast.Name) else n.func.attr: n.func for n in nodes
-                 if isinstance(n, ast.Call) and isinstance(n.func, (ast.Name, ast.Attribute))}
-        # a call on what accelerator.prepare returned (a DataLoaderShard's set_epoch reaches Accelerate's sampler)
-        on_prepared = any(isinstance(f, ast.Attribute) and (isinstance(f.value, ast.Name) and f.value.id in prepared
-                                                            or f.attr == "set_epoch") for f in calls.values())
-        distributed_import = isinstance(statement, ast.Import) and \
-            any(alias.name.startswith("torch.distributed") for alias in statement.names)
-        calls_collective_helper = any(isinstance(f, ast.Name) and name in collective for name, f in calls.items())
-        marked = marks(statement, comments, lines)
+        calls_collective = any(is_collective_call(n, collective) for n in nodes)
+        marked = is_marked(statement, comments, lines)
         where = f"line {statement.lineno}: {lines[statement.lineno - 1].strip()[:60]}"
-        if uses_accelerate and "accelerate" not in marked:
-            found.append(f"{where}: uses Accelerate, no # [accelerate]")
-        if "accelerate" in marked and not (uses_accelerate or on_prepared or distributed_import):
-            found.append(f"{where}: # [accelerate] on a line that does not use Accelerate")
-        if calls_collective_helper and "collective" not in marked:
-            found.append(f"{where}: calls a collective helper, no # [collective]")
-        if "collective" in marked and not calls_collective_helper:
-            found.append(f"{where}: # [collective] on a line that calls no collective helper")
+        if calls_collective and not marked:
+            found.append(f"{where}: calls a collective, no # [collective]")
+        if marked and not calls_collective:
+            found.append(f"{where}: # [collective] on a line that calls no collective")
     return found
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.name)
-def test_every_accelerate_line_and_collective_call_is_marked(script):
+def accelerate_tags(source: str) -> list:
+    """The lines whose comment carries `# [accelerate]`."""
+    return [n for n, comment in comments_by_line(source).items() if ACCELERATE_MARK.search(comment)]
+
+
+@pytest.mark.parametrize("script", COMPLETE_SCRIPTS, ids=lambda path: path.name)
+def test_every_collective_call_is_marked_and_nothing_else(script):
     assert problems(script.read_text()) == []
 
 
-def test_the_check_fails_on_a_missing_or_a_wrong_marker():
+def test_the_accelerate_tag_is_only_in_the_migration_pairs():
+    for after in MIGRATION_PAIRS_AFTER:
+        assert len(accelerate_tags(after.read_text())) >= 10, f"{after.name}: the migration's lines are marked"
+    others = sorted(set((REPO / "scripts").rglob("*.py")) | set((REPO / "utils").rglob("*.py")))
+    others = [path for path in others if path not in MIGRATION_PAIRS_AFTER]
+    assert len(others) > 50
+    tagged = {path.relative_to(REPO).as_posix(): lines for path in others
+              if (lines := accelerate_tags(path.read_text()))}
+    assert tagged == {}, "# [accelerate] marks a migration pair's changed lines (README.md, 'Marks in the scripts')"
+
+
+def test_the_checks_fail_on_a_missing_or_a_wrong_marker():
     source = TRAIN_MNIST.read_text()
-    unmarked = source.replace("accelerator.backward(loss)  # [accelerate]", "accelerator.backward(loss)  #")
-    assert any("accelerator.backward" in p and "no # [accelerate]" in p for p in problems(unmarked))
-    helper_as_accelerate = source.replace("# [collective] --early_stopping_patience", "# [accelerate]")
-    assert any("epochs_to_train" in p and "does not use Accelerate" in p for p in problems(helper_as_accelerate))
-    assert any("epochs_to_train" in p and "no # [collective]" in p for p in problems(helper_as_accelerate))
+    # a collective of Accelerate's, unmarked: a reader may put it under `if accelerator.is_main_process:` and hang
+    gather = "        metric.add_batch("
+    unmarked = source.replace(gather, "        labels = accelerator.gather(labels)\n" + gather, 1)
+    assert any("accelerator.gather(labels)" in p and "no # [collective]" in p for p in problems(unmarked))
+    save_model = next(line for line in source.splitlines() if "accelerator.save_model(" in line)
+    above = source.splitlines()[source.splitlines().index(save_model) - 1]
+    assert "[collective]" in above
+    unmarked = source.replace(above, above.replace("[collective]", ""))
+    assert any("accelerator.save_model" in p and "no # [collective]" in p for p in problems(unmarked))
+    # one of our helpers, its mark dropped
+    unmarked = source.replace("# [collective] --early_stopping_patience", "# --early_stopping_patience")
+    assert any("epochs_to_train" in p and "no # [collective]" in p for p in problems(unmarked))
     assert any("model.train()" in p for p in problems(source.replace("model.train()", "model.train()  # [collective]")))
-    assert any("self.accelerator.backward" in p for p in problems("def f(self):\n    self.accelerator.backward(x)\n"))
+    assert any("self.accelerator.wait_for_everyone" in p
+               for p in problems("def close(self):\n    self.accelerator.wait_for_everyone()\n"))
+    assert any("main_process_first" in p for p in problems("with accelerator.main_process_first():\n    pass\n"))
+    assert any("broadcast" in p for p in problems("from accelerate.utils import broadcast\nbroadcast(x)\n"))
+    # the tag, back on a complete script's line
+    tagged = source.replace("accelerator.backward(loss)", "accelerator.backward(loss)  # [accelerate]")
+    assert accelerate_tags(source) == [] and len(accelerate_tags(tagged)) == 1
 
 
 def own_nodes(function):

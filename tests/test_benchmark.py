@@ -244,9 +244,6 @@ def test_benchmark_train_main_and_benchmark_py_stay_short():
     assert file_lines("x = 1\n" * 321) == 321
 
 
-# Its Accelerate calls are marked as in the training scripts: tests/test_accelerate_markers.py checks all three.
-
-
 # ---------------------------------------------------------------- every flag means something
 
 

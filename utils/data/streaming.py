@@ -161,7 +161,7 @@ def batches_every_process_has(accelerator, loader: StreamLoader, skip: int, accu
     while True:
         cycle = [batch for _, batch in zip(range(accumulation_steps), batches)]  # takes no batch more
         have_a_cycle = torch.tensor([len(cycle) == accumulation_steps], device=accelerator.device)
-        if not accelerator.gather(have_a_cycle).all():  # [accelerate] one flag per process
+        if not accelerator.gather(have_a_cycle).all():  # one flag per process
             if trained == 0 and skip == 0:
                 raise UserError(f"a process's part of the stream holds fewer than {accumulation_steps} batch(es) of "
                                 f"--batch_size: lower --batch_size or --gradient_accumulation_steps, or add data")

@@ -40,7 +40,7 @@ def fit_batch_size(accelerator, model, optimizer, dataset, batch_size: int, accu
     def halve():
         return tried[-1] // 2
 
-    @find_executable_batch_size(starting_batch_size=requested, reduce_batch_size_fn=halve)  # [accelerate]
+    @find_executable_batch_size(starting_batch_size=requested, reduce_batch_size_fn=halve)
     def one_training_step(batch_size):
         tried.append(batch_size)
         images, labels = default_collate([dataset[i % len(dataset)] for i in range(batch_size)])
@@ -48,7 +48,7 @@ def fit_batch_size(accelerator, model, optimizer, dataset, batch_size: int, accu
         if model_input is not None:
             images = model_input(images)
         try:
-            with accelerator.autocast():  # [accelerate] the precision the run trains in
+            with accelerator.autocast():  # the precision the run trains in
                 loss = F.cross_entropy(model(images), labels)
             loss.backward()
             optimizer.step()  # allocates the optimizer state (Adam: two more copies of the weights)
@@ -67,7 +67,7 @@ def fit_batch_size(accelerator, model, optimizer, dataset, batch_size: int, accu
     finally:
         model.load_state_dict(saved_weights)
         optimizer.state.clear()  # no moments or step counts from the probe's step
-    # [accelerate] the smallest size that fits on every process, so all train with the same batch
+    # the smallest size that fits on every process, so all train with the same batch
     fits = int(accelerator.gather(torch.tensor([fits], device=accelerator.device)).min().item())
     num_processes = accelerator.num_processes
     if fits == requested:

@@ -62,8 +62,8 @@ def epochs_to_train(accelerator, progress: TrainingProgress, plan, eval_only: bo
             if plan.early_stopping_patience is not None:
                 if accelerator.is_main_process and \
                         progress.evaluations_without_improvement >= plan.early_stopping_patience:
-                    accelerator.set_trigger()  # [accelerate]
-                if accelerator.check_trigger():  # [accelerate] a collective: True everywhere if any process set it
+                    accelerator.set_trigger()
+                if accelerator.check_trigger():  # a collective: True everywhere if any process set it
                     logger.info(f"Stopping early: {plan.metric_for_best} has not improved for "
                                 f"{progress.evaluations_without_improvement} evaluations (best: "
                                 f"{progress.best_metric:.4f} after step {progress.best_step}, epoch "

@@ -98,7 +98,7 @@ def after_step(accelerator, events: TrainingEvents, progress, epoch: int) -> Non
             gather_running_loss(accelerator, events.running_loss, progress, events.output_dir)
             logged = {"loss": progress.take_logged_loss(), "learning_rate": events.lr_scheduler.get_last_lr()[0]}
             logger.info(f"step {step}: {logged}")
-            accelerator.log(logged, step=step)  # [accelerate] to every tracker
+            accelerator.log(logged, step=step)  # to every tracker
         if evaluating:
             report(accelerator, events.results, step, f"step {step}", events.evaluate())
             events.model.train()  # evaluate() left the model in eval mode; its epoch goes on
@@ -126,7 +126,7 @@ def report(accelerator, results: dict, step: int, where: str, measured: dict, **
     step `step`, with `tracked_too` (the epoch)."""
     results.update(measured)
     logger.info(f"{where}: {measured}")
-    accelerator.log(measured | tracked_too, step=step)  # [accelerate]
+    accelerator.log(measured | tracked_too, step=step)
 
 
 def gather_running_loss(accelerator, running_loss, progress: TrainingProgress, output_dir) -> None:
