@@ -1,4 +1,4 @@
-"""Every image mode PIL opens becomes the RGB a viewer shows (utils/data/image_modes.py), in every path that decodes
+"""Every image mode PIL opens becomes the RGB a viewer shows (utils/data/decoding.py viewer_rgb), in every path that decodes
 images: the map-style dataset, the stream and scripts/predict.py's inputs. Issue 29: 16-bit greyscale PNGs trained as
 white blobs (PIL's convert clips them) and black ink on a transparent background decoded all black.
 
