@@ -48,10 +48,10 @@ from utils.data.mnist import load_mnist  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import create_output_dir  # noqa: E402
 from utils.launch.flags import ArgumentParser, positive_int  # noqa: E402
-from utils.report.benchmarking import (  # noqa: E402
-    METHODS, PRECISIONS, Combination, combination_of, cpu_threads_source, machine_facts, portable_command,
-    portable_path, print_cpu_threads, run_environment, write_report,
+from utils.benchmark.environment import (  # noqa: E402
+    cpu_threads_source, machine_facts, portable_command, portable_path, print_cpu_threads, run_environment,
 )
+from utils.benchmark.report import METHODS, PRECISIONS, Combination, combination_of, write_report  # noqa: E402
 
 MODELS = ("mnist", "resnet18", "resnet50")
 DATA_PATHS = ("dataloader", "device")

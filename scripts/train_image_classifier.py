@@ -42,7 +42,7 @@ from utils.data.device_decoding import (  # noqa: E402
     decoding_first,
     device_decoding_refusal,
 )
-from utils.data.device_input import autocast_dtype, device_normaliser  # noqa: E402
+from utils.data.device_input import device_normaliser, model_input_dtype  # noqa: E402
 from utils.data.image_dataset import TransformedImages, collate_images  # noqa: E402
 from utils.data.image_loading import load_image_datasets  # noqa: E402
 from utils.data.mixing import MixedImages  # noqa: E402
@@ -327,7 +327,7 @@ def build_model_input(args, accelerator):
     """What the training loop and evaluation apply to each batch: the uint8 batch cast to the autocast dtype,
     normalised, channels-last with --channels_last, in one copy on the device; with --decode_on_device its JPEGs
     decoded by nvJPEG, cropped, resized and flipped there first (utils/data/device_decoding.py)."""
-    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
+    model_input = device_normaliser(model_input_dtype(accelerator.mixed_precision), args.channels_last)  # [accelerate]
     if args.decode_on_device:
         return decoding_first(model_input, accelerator.device, args.image_size)  # [accelerate] this process's GPU
     return model_input

@@ -17,7 +17,7 @@ from utils.data.decoding import decode_rgb
 from utils.data.image_dataset import TransformedImages
 from utils.data.recipes import eval_transform
 from utils.data.streaming import StreamedImages
-from utils.report.predictions import TrainedRun, read_inputs
+from utils.predict.trained_run import TrainedRun, read_inputs
 
 SIZE = 8
 WHITE, BLACK, RED = (255, 255, 255), (0, 0, 0), (255, 0, 0)

@@ -28,12 +28,12 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
+from utils.benchmark.baselines import OptimizerStepWatch, autocast_dtype  # noqa: E402
 from utils.data.mnist import load_mnist, to_tensor_dataset  # noqa: E402
 from utils.errors import UserError, exit_with_error  # noqa: E402
 from utils.files import create_output_dir, write_json_atomically  # noqa: E402
 from utils.launch.flags import build_mnist_parser, reject_flags_the_baselines_lack  # noqa: E402
 from utils.models import ConvNet  # noqa: E402
-from utils.report.benchmarking import OptimizerStepWatch, autocast_dtype  # noqa: E402
 from utils.report.meters import ThroughputMeter, peak_memory_mb  # noqa: E402
 from utils.run.fingerprints import fingerprint  # noqa: E402
 

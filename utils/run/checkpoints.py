@@ -31,10 +31,9 @@ from accelerate.utils import broadcast_object_list, gather_object
 
 from ..errors import UserError
 from ..files import write_json_atomically
-from ..run.progress import TRAINING_STATE, TrainingProgress, read_training_state
-from ..run.run_record import RUN_RECORD
+from ..output_files import MANIFEST, RUN_RECORD, TRAINING_STATE
+from ..run.progress import TrainingProgress, read_training_state
 
-MANIFEST = "manifest.json"  # {"files": {relative path: {"size", "sha256"}}} of every other file, written last
 CHECKPOINT_NAME = re.compile(r"^(epoch|step)_(\d+)$")
 TMP_PREFIX = ".tmp-"
 logger = get_logger(__name__)
