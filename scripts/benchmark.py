@@ -48,10 +48,10 @@ from utils.data.mnist import load_mnist
 from utils.errors import UserError, exit_with_error
 from utils.files import create_output_dir
 from utils.launch.flags import ArgumentParser, positive_int
-from utils.report.benchmarking import (
-    METHODS, PRECISIONS, Combination, combination_of, cpu_threads_source, machine_facts, portable_command,
-    portable_path, print_cpu_threads, run_environment, write_report,
+from utils.benchmark.environment import (
+    cpu_threads_source, machine_facts, portable_command, portable_path, print_cpu_threads, run_environment,
 )
+from utils.benchmark.report import METHODS, PRECISIONS, Combination, combination_of, write_report
 
 MODELS = ("mnist", "resnet18", "resnet50")
 DATA_PATHS = ("dataloader", "device")

@@ -40,13 +40,13 @@ from tqdm.auto import tqdm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # find utils/ from a plain clone
+from utils.benchmark.environment import machine_facts, portable_command, portable_path
 from utils.data.image_dataset import TransformedImages, collate_images
 from utils.data.image_loading import load_image_datasets
 from utils.data.recipes import default_hflip, eval_transform, resolve_augmentation, train_transform
 from utils.errors import UserError, exit_with_error
 from utils.files import create_output_dir, write_json_atomically
 from utils.launch.flags import ArgumentParser, non_negative_int, positive_float, positive_int, seed
-from utils.report.benchmarking import machine_facts, portable_command, portable_path
 
 PIPELINES = ("before", "reference", "decode_only", "ours")
 SPLITS = ("train", "eval")

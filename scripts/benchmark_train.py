@@ -39,17 +39,17 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.mnist import load_mnist, to_tensor_dataset
-from utils.errors import UserError, exit_with_error
-from utils.files import write_json_atomically
-from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack
-from utils.models import ConvNet, build_model
-from utils.report.benchmarking import (
+from utils.benchmark.baselines import (
     AutocastInForward,
     OptimizerStepWatch,
     autocast_dtype,
     synthetic_images,
 )
+from utils.data.mnist import load_mnist, to_tensor_dataset
+from utils.errors import UserError, exit_with_error
+from utils.files import write_json_atomically
+from utils.launch.flags import build_parser, positive_int, reject_flags_the_baselines_lack
+from utils.models import ConvNet, build_model
 from utils.report.meters import ThroughputMeter, peak_memory_mb
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,7 @@ class Accelerate(Plain):
 
 METHODS = {"plain": Plain, "dataparallel": DataParallel, "ddp": DDP, "accelerate": Accelerate}
 # Flags of one kind of model, with their defaults: changed for the other kind they would mean nothing,
-# so they are refused (as the flags the baselines lack: see utils/report/benchmarking.py).
+# so they are refused (as the flags the baselines lack: see utils/launch/flags.py).
 MNIST_ONLY = {"data_dir": None, "max_train_samples": None, "max_eval_samples": None}
 RESNET_ONLY = {"image_size": 224, "synthetic_samples": 2560}
 

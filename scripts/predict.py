@@ -25,15 +25,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
-from utils.data.device_input import autocast_dtype, normalise_on_device
+from utils.data.device_input import model_input_dtype, normalise_on_device
 from utils.data.image_dataset import collate_images
 from utils.data.mnist import normalise_mnist
 from utils.errors import UserError, exit_with_error
 from utils.files import check_writable_file, write_text_atomically
 from utils.launch.flags import ArgumentParser, default_num_workers, non_negative_int, positive_int
 from utils.launch.launch_checks import check_accelerator, check_enough_devices
-from utils.report.prediction_rows import WholeBatches, predictions_csv
-from utils.report.predictions import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run
+from utils.predict.prediction_rows import WholeBatches, predictions_csv
+from utils.predict.trained_run import WEIGHT_FILES, build_trained_model, read_inputs, read_trained_run
 
 
 def parse_args(argv=None):
@@ -88,7 +88,7 @@ def parse_args(argv=None):
 def export(model, trained, batches, description, args):
     """--export onnx: the model with its fp32 input normalisation, checked with onnxruntime on the first
     --batch_size inputs that can be decoded."""
-    from utils.report.export import export_onnx  # its optional packages only for --export
+    from utils.predict.export import export_onnx  # its optional packages only for --export
 
     examples = [batches[i] for i in range(min(args.batch_size, len(batches.inputs)))]
     images = [image for image, _, _, unreadable in examples if not unreadable]
@@ -122,7 +122,7 @@ def main(args):
     if trained.is_mnist:
         normalise = normalise_mnist
     else:
-        input_dtype = autocast_dtype(accelerator.mixed_precision)  # the launch config's precision
+        input_dtype = model_input_dtype(accelerator.mixed_precision)  # the launch config's precision
         normalise = partial(normalise_on_device, dtype=input_dtype, channels_last=args.channels_last)
     batches = WholeBatches(inputs.dataset, args.batch_size, inputs.blank, stop_on_error=args.on_error == "stop")
 

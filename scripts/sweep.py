@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # find utils/ from a plain clone
 from utils.errors import UserError, exit_with_error
 from utils.launch.flags import ArgumentParser
-from utils.launch.sweep_trials import RESULTS, check_grid_flags, record_trial, script_flags, trial_command, trial_state
+from utils.launch.sweep_trials import check_grid_flags, record_trial, script_flags, trial_command, trial_state
+from utils.output_files import RESULTS
 
 # results.json keys shown in the table, with their format
 COLUMNS = {"eval_accuracy": "{:.4f}", "eval_loss": "{:.4f}", "train_loss": "{:.4f}",

@@ -42,7 +42,7 @@ from utils.data.device_decoding import (
     decoding_first,
     device_decoding_refusal,
 )
-from utils.data.device_input import autocast_dtype, device_normaliser
+from utils.data.device_input import device_normaliser, model_input_dtype
 from utils.data.image_dataset import TransformedImages, collate_images
 from utils.data.image_loading import load_image_datasets
 from utils.data.mixing import MixedImages
@@ -326,7 +326,7 @@ def build_model_input(args, accelerator):
     """What the training loop and evaluation apply to each batch: the uint8 batch cast to the autocast dtype,
     normalised, channels-last with --channels_last, in one copy on the device; with --decode_on_device its JPEGs
     decoded by nvJPEG, cropped, resized and flipped there first (utils/data/device_decoding.py)."""
-    model_input = device_normaliser(autocast_dtype(accelerator.mixed_precision), args.channels_last)
+    model_input = device_normaliser(model_input_dtype(accelerator.mixed_precision), args.channels_last)
     if args.decode_on_device:
         return decoding_first(model_input, accelerator.device, args.image_size)
     return model_input

@@ -21,7 +21,8 @@ from helpers import (REPO, exit_check_env, assert_clean_user_error, code_lines, 
                      training_processes)
 
 from utils.errors import UserError
-from utils.report.benchmarking import Combination, cpu_threads_source, print_cpu_threads, run_environment
+from utils.benchmark.environment import cpu_threads_source, print_cpu_threads, run_environment
+from utils.benchmark.report import Combination
 
 BENCHMARK = REPO / "scripts" / "benchmark.py"
 BENCHMARK_TRAIN = REPO / "scripts" / "benchmark_train.py"
@@ -421,7 +422,7 @@ def test_autocast_reaches_the_replica_threads_with_its_dtype():
     """The defect, on the CPU: autocast entered around the DataParallel call reaches the replicas
     with the default dtype, not the one asked for (bf16 on the CPU here; on CUDA the default is
     fp16, so a bf16 run computed in fp16). AutocastInForward enters it inside each replica."""
-    from utils.report.benchmarking import AutocastInForward
+    from utils.benchmark.baselines import AutocastInForward
 
     x = torch.randn(2, 4)
     assert torch.get_autocast_dtype("cpu") == torch.bfloat16  # the default a replica thread starts from
@@ -434,7 +435,7 @@ def test_autocast_reaches_the_replica_threads_with_its_dtype():
 
 
 def test_the_step_watch_sees_gradscaler_skip_a_step_without_reading_the_scale():
-    from utils.report.benchmarking import OptimizerStepWatch
+    from utils.benchmark.baselines import OptimizerStepWatch
 
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([weight], lr=0.1)
@@ -473,7 +474,7 @@ def test_dataparallel_replicas_compute_in_the_dtype_asked_for():
     DataParallel does on two), and with nn.DataParallel itself where there are 2+ GPUs."""
     from torch.nn.parallel import parallel_apply
 
-    from utils.report.benchmarking import AutocastInForward
+    from utils.benchmark.baselines import AutocastInForward
 
     if not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bf16")

@@ -16,10 +16,10 @@ import pytest
 
 from utils.errors import UserError
 from utils.run import checkpoints
-from utils.run.best import BEST, save_if_best
-from utils.run.checkpoints import MANIFEST, TMP_PREFIX, save_checkpoint
-from utils.run.progress import TRAINING_STATE, TrainingProgress
-from utils.run.run_record import RUN_RECORD
+from utils.output_files import BEST, MANIFEST, RUN_RECORD, TRAINING_STATE
+from utils.run.best import save_if_best
+from utils.run.checkpoints import TMP_PREFIX, save_checkpoint
+from utils.run.progress import TrainingProgress
 
 
 pytestmark = pytest.mark.usefixtures("accelerate_state")  # conftest: accelerate's logger needs a state

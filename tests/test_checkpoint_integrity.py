@@ -14,7 +14,8 @@ from helpers import REPO, assert_clean_user_error, launch, run_alone, skip_or_fa
 import utils.run.checkpoints as checkpoints
 import utils.run.resume as resume
 from utils.errors import UserError
-from utils.run.checkpoints import MANIFEST, save_checkpoint
+from utils.output_files import MANIFEST
+from utils.run.checkpoints import save_checkpoint
 from utils.run.progress import TrainingProgress
 
 # 64 samples / 16 per batch: 4 optimizer steps in the one epoch. A checkpoint is about 0.37 MB

@@ -1,4 +1,4 @@
-"""utils/report/export.py's check of an ONNX export against PyTorch, in process: the logits of onnxruntime (one batch,
+"""utils/predict/export.py's check of an ONNX export against PyTorch, in process: the logits of onnxruntime (one batch,
 and one image at a time) against PyTorch's, refused above ONNX_TOLERANCE and whenever a nan makes the difference
 unknown (issue 43: `not difference <= tolerance` turned into `difference > tolerance` wrote such a file). The export
 itself, launched: tests/test_predict.py (a whole export in process takes 15 s here, so it is not repeated)."""
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from utils.errors import UserError
-from utils.report.export import ONNX_TOLERANCE, check_against_pytorch
+from utils.predict.export import ONNX_TOLERANCE, check_against_pytorch
 
 EXPECTED = np.array([[1.0, -2.0, 0.5], [0.25, 3.0, -1.0]], dtype=np.float32)
 

@@ -1,4 +1,4 @@
-"""Every image mode PIL opens becomes the RGB a viewer shows (utils/data/image_modes.py), in every path that decodes
+"""Every image mode PIL opens becomes the RGB a viewer shows (utils/data/decoding.py viewer_rgb), in every path that decodes
 images: the map-style dataset, the stream and scripts/predict.py's inputs. Issue 29: 16-bit greyscale PNGs trained as
 white blobs (PIL's convert clips them) and black ink on a transparent background decoded all black.
 
@@ -17,7 +17,7 @@ from utils.data.decoding import decode_rgb
 from utils.data.image_dataset import TransformedImages
 from utils.data.recipes import eval_transform
 from utils.data.streaming import StreamedImages
-from utils.report.predictions import TrainedRun, read_inputs
+from utils.predict.trained_run import TrainedRun, read_inputs
 
 SIZE = 8
 WHITE, BLACK, RED = (255, 255, 255), (0, 0, 0), (255, 0, 0)

@@ -36,8 +36,9 @@ from test_predict import job, launch_jobs
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
 from utils.models import ConvNet
-from utils.report.predictions import EMA_WEIGHTS, read_trained_run
-from utils.run.ema import EMA_CHECKPOINT_FILE, ModelEma, build_model_ema, decay_at
+from utils.output_files import EMA_CHECKPOINT_FILE, EMA_WEIGHTS
+from utils.predict.trained_run import read_trained_run
+from utils.run.ema import ModelEma, build_model_ema, decay_at
 from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"

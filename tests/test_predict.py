@@ -43,7 +43,7 @@ from sample_recorder import job_outcome, jobs_file
 from utils.data.mnist import load_mnist_idx
 from utils.errors import UserError
 from utils.files import check_writable_file, write_text_atomically
-from utils.report.predictions import read_inputs, read_trained_run
+from utils.predict.trained_run import read_inputs, read_trained_run
 
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"

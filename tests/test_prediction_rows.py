@@ -1,4 +1,4 @@
-"""The predictions file's rows (utils/report/prediction_rows.py), in this process: the inputs padded to whole
+"""The predictions file's rows (utils/predict/prediction_rows.py), in this process: the inputs padded to whole
 batches, the gathered columns back in input order, one row per input, unreadable inputs as rows of their own.
 (tests/test_predict.py runs scripts/predict.py on 1, 2 and 3 processes through the same code; these take milliseconds,
 so that the mutation run of docs/testing.md, "Mutation testing", can run them for every mutant.)"""
@@ -8,8 +8,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from utils.errors import UserError
-from utils.report.prediction_rows import WholeBatches, predictions_csv
-from utils.report.predictions import Inputs
+from utils.predict.prediction_rows import WholeBatches, predictions_csv
+from utils.predict.trained_run import Inputs
 
 
 class SomeUnreadable(Dataset):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from test_resume_plan import process_batches
 
-from utils.data.image_modes import WIDE_GREYSCALE_MAX, viewer_rgb
+from utils.data.decoding import WIDE_GREYSCALE_MAX, viewer_rgb
 from utils.data.labels import sorted_label_values
 from utils.errors import UserError
 from utils.launch import flags

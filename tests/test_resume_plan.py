@@ -15,9 +15,10 @@ from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
 from safetensors.torch import save_file
 
 from utils.errors import UserError
+from utils.output_files import MANIFEST, TRAINING_STATE
 from utils.run import resume
-from utils.run.checkpoints import MANIFEST, save_checkpoint
-from utils.run.progress import TRAINING_STATE, TrainingProgress
+from utils.run.checkpoints import save_checkpoint
+from utils.run.progress import TrainingProgress
 from utils.run.resume import accumulation_keeping, batches_to_skip, epochs_to_train, resolve_checkpoint, resume_point
 
 

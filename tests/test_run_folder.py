@@ -13,9 +13,9 @@ import socket
 import pytest
 
 from utils.errors import UserError
+from utils.output_files import LOCK
 from utils.run.progress import TrainingProgress
 from utils.run.run_folder import (
-    LOCK,
     RunFolder,
     check_output_dir,
     differences,

@@ -22,7 +22,8 @@ from test_predict import job, launch_jobs
 from test_run_records import decide
 
 from utils.launch.flags import HIGHER_IS_BETTER
-from utils.run.progress import ADDED_FIELDS, TRAINING_STATE, TrainingProgress, read_training_state
+from utils.output_files import TRAINING_STATE
+from utils.run.progress import ADDED_FIELDS, TrainingProgress, read_training_state
 from utils.run.steps import StepPlan
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"

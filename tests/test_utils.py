@@ -17,9 +17,10 @@ from utils.data.mnist import MNIST_MEAN, MNIST_STD, load_mnist_idx, to_tensor_da
 from utils.errors import UserError
 from utils.metrics import load_metric
 from utils.models import ConvNet
+from utils.output_files import TRAINING_STATE
 from utils.run.checkpoints import find_latest_checkpoint, list_checkpoints
 from utils.run.fingerprints import fingerprint
-from utils.run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from utils.run.progress import TrainingProgress, read_training_state
 from utils.run.signals import ignore_stop_signals
 
 

@@ -1,5 +1,6 @@
 """Plumbing shared by the scripts, in layers: launch/ (flags, launch checks), data/ (data in), run/ (the training
-run), report/ (what comes out); models.py and metrics/ (what is trained and measured); errors.py and files.py below all.
+run), report/ (what a run reports), predict/ (scripts/predict.py) and benchmark/ (the benchmark and its baselines);
+models.py and metrics/ (what is trained and measured); errors.py, files.py and output_files.py (their names) below all.
 
 The scripts decide how processes talk to each other; the helpers here only say what they do.
 A few of them are collective: every process must call them, at the same point of the run, or the

@@ -28,12 +28,12 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # find utils/ from a plain clone
+from utils.benchmark.baselines import OptimizerStepWatch, autocast_dtype
 from utils.data.mnist import load_mnist, to_tensor_dataset
 from utils.errors import UserError, exit_with_error
 from utils.files import create_output_dir, write_json_atomically
 from utils.launch.flags import build_mnist_parser, reject_flags_the_baselines_lack
 from utils.models import ConvNet
-from utils.report.benchmarking import OptimizerStepWatch, autocast_dtype
 from utils.report.meters import ThroughputMeter, peak_memory_mb
 from utils.run.fingerprints import fingerprint
 

@@ -1,12 +1,13 @@
 """Image files decoded into uint8 RGB tensors: JPEGs through libjpeg-turbo (simplejpeg), at 1/2, 1/4 or 1/8 of their
-size where the recipe's crop allows, their EXIF orientation read from the header; PIL for the rest."""
+size where the recipe's crop allows, their EXIF orientation read from the header; PIL for the rest, every image mode
+it opens as the 8-bit RGB an image viewer shows (viewer_rgb)."""
 
 import io
 
+import numpy as np
 import torch
 
 # simplejpeg and PIL are imported in the functions that use them: `--help` need not wait for them
-from ..data.image_modes import viewer_rgb
 
 # libjpeg-turbo decodes at 1/2, 1/4 and 1/8 with its fast (SIMD) inverse DCTs; its other scales (3/8, 5/8...) take
 # longer than a full decode on photos
@@ -49,7 +50,7 @@ def jpeg_header(data: bytes):
 
 def decode_rgb(data: bytes, reduction: int = 1) -> torch.Tensor:
     """An image file's bytes as a uint8 (3, H, W) RGB tensor, as a viewer shows the file: greyscale, palette, CMYK and
-    16-bit images become 3 channels of 8 bits, transparent pixels white (utils/data/image_modes.py).
+    16-bit images become 3 channels of 8 bits, transparent pixels white (viewer_rgb).
 
     JPEGs, most of any photo data set, go through simplejpeg (libjpeg-turbo's TurboJPEG API, as PIL uses): a third
     less time than PIL here. With fastupsample, colour stored at half resolution (4:2:0, most photos) is repeated over
@@ -112,3 +113,32 @@ def _jpeg_orientation(data: bytes):
             exif = exif or data[position + 4:end]  # the first one, as PIL keeps it
         position = end
     return None
+
+
+# Greyscale modes of more than 8 bits: 16-bit PNGs and TIFFs open as "I;16" (or its byte orders), some TIFFs as "I"
+# (32-bit integers, read here as 16-bit values, what such files hold in practice)
+WIDE_GREYSCALE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I")
+WIDE_GREYSCALE_MAX = 65535
+# Modes with an alpha channel; palette, greyscale and RGB images may instead name one transparent colour or palette
+# entries ("transparency" in their info)
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+BACKGROUND = (255, 255, 255, 255)  # transparent pixels show as white, as browsers and viewers show them on a page
+
+
+def viewer_rgb(image) -> np.ndarray:
+    """`image` (a PIL image of any mode) as (H, W, 3) uint8 RGB: 16-bit greyscale scaled to 8 bits (65535 -> 255,
+    rounded), transparency composited on white, palette, 1-bit, greyscale and CMYK converted by PIL.
+
+    PIL's own convert("RGB") does not: it clips 16-bit greyscale to 255 (a 16-bit PNG becomes a white blob) and drops
+    the alpha channel, leaving what transparent pixels store (often black: black ink on a transparent background
+    becomes an all-black image)."""
+    from PIL import Image
+
+    if image.mode in WIDE_GREYSCALE_MODES:
+        wide = np.clip(np.asarray(image, dtype=np.int64), 0, WIDE_GREYSCALE_MAX)
+        grey = ((wide * 255 + WIDE_GREYSCALE_MAX // 2) // WIDE_GREYSCALE_MAX).astype(np.uint8)
+        return np.repeat(grey[:, :, None], 3, axis=2)
+    if image.mode in ALPHA_MODES or "transparency" in image.info:
+        background = Image.new("RGBA", image.size, BACKGROUND)
+        return np.array(Image.alpha_composite(background, image.convert("RGBA")).convert("RGB"))
+    return np.array(image.convert("RGB"))

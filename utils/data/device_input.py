@@ -9,7 +9,7 @@ import torch
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def autocast_dtype(mixed_precision: str) -> torch.dtype:
+def model_input_dtype(mixed_precision: str) -> torch.dtype:
     """The dtype autocast computes in under the launch's mixed precision ("fp16", "bf16"; float32 otherwise): what
     normalise_on_device should give, so the model's first layer casts nothing."""
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(mixed_precision, torch.float32)

@@ -15,10 +15,8 @@ from collections import Counter
 from pathlib import Path
 
 from ..errors import UserError
+from ..output_files import LAUNCH_LOG, RESULTS, TRIAL_RECORD
 
-TRIAL_RECORD = "sweep_trial.json"  # in each trial's folder: {"command": ..., "exit_code": ...}
-RESULTS = "results.json"  # what a finished run of our scripts writes last
-LAUNCH_LOG = "launch.log"  # the launch's whole output
 # argparse lists each option at this indent in --help; help text wraps at a deeper one
 OPTION_LINE = re.compile(r"^  (-.*?)(?:  |$)", re.MULTILINE)
 

@@ -1,1 +1,1 @@
-"""Out: what a run reports (results.json, throughput, memory), profiles, benchmarks, predictions and exports."""
+"""Out: what a training run reports: results.json, eval_results.json, throughput, memory, gradient norms, profiles."""

@@ -6,10 +6,10 @@ import torch
 from accelerate.utils import is_compiled_module
 
 from ..files import write_json_atomically
+from ..output_files import EVAL_RESULTS, RESULTS
 from ..report.meters import ThroughputMeter, peak_memory_mb
 from ..run.fingerprints import fingerprint, replica_fingerprints
 from ..run.fsdp import parameter_bytes
-from ..run.run_folder import EVAL_RESULTS
 from ..run.run_record import read_run_record
 
 
@@ -83,8 +83,8 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, results: di
             results.update({"metric_for_best": plan.metric_for_best, "best_epoch": progress.best_epoch,
                             "best_step": progress.best_step, f"best_{plan.metric_for_best}": progress.best_metric,
                             "stopped_early": progress.global_step < plan.max_steps})
-        write_json_atomically(Path(output_dir) / "results.json", results)
-        print(f"Wrote {Path(output_dir) / 'results.json'}", flush=True)
+        write_json_atomically(Path(output_dir) / RESULTS, results)
+        print(f"Wrote {Path(output_dir) / RESULTS}", flush=True)
 
 
 def report_evaluation(accelerator, results: dict, checkpoint, progress, output_dir) -> None:

@@ -4,10 +4,10 @@ that --early_stopping_patience counts."""
 from accelerate.logging import get_logger
 
 from ..launch.flags import HIGHER_IS_BETTER
+from ..output_files import BEST
 from ..run.checkpoints import save_checkpoint
 from ..run.progress import TrainingProgress
 
-BEST = "best"  # --metric_for_best: OUTPUT_DIR/best holds the best epoch's model.safetensors and training state
 logger = get_logger(__name__)
 
 

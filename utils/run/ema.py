@@ -24,12 +24,10 @@ from accelerate.utils import DistributedType, broadcast
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ..errors import UserError
+from ..output_files import EMA_CHECKPOINT_FILE, EMA_WEIGHTS
 from ..run.fingerprints import replica_fingerprints
 
 WARMUP_POWER = 2 / 3  # timm's ModelEmaV3 warmup (warmup_gamma 1)
-EMA_WEIGHTS = "model_ema.safetensors"  # in OUTPUT_DIR at the end of a training run
-# In every checkpoint: Accelerate's name for the first (here the only) object registered for checkpointing
-EMA_CHECKPOINT_FILE = "custom_checkpoint_0.pkl"
 logger = get_logger(__name__)
 
 

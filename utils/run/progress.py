@@ -9,8 +9,7 @@ import math
 from pathlib import Path
 
 from ..errors import UserError
-
-TRAINING_STATE = "training_state.json"
+from ..output_files import TRAINING_STATE
 
 
 @dataclasses.dataclass

@@ -8,10 +8,10 @@ from accelerate.logging import get_logger
 from safetensors.torch import load_file
 
 from ..errors import UserError
-from ..run.best import BEST
+from ..output_files import BEST, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
 from ..run.fsdp import complete_fsdp_model
-from ..run.progress import TRAINING_STATE, TrainingProgress, read_training_state
+from ..run.progress import TrainingProgress, read_training_state
 
 logger = get_logger(__name__)
 
@@ -36,7 +36,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
 
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
             # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
-            set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / "model.safetensors"),
+            set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / WEIGHTS),
                                  options=StateDictOptions(full_state_dict=True))
         else:
             accelerator.load_state(str(checkpoint))
@@ -96,7 +96,7 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir, eval_only: bool = Fal
     if resume_from_checkpoint == "latest":
         checkpoint = newest_good_checkpoint(output_dir, say_skipped=True)
         if checkpoint is None and eval_only:
-            weights = Path(output_dir) / "model.safetensors"
+            weights = Path(output_dir) / WEIGHTS
             fix = (f"its {weights.name} (the finished run's weights) is evaluated by scripts/predict.py --model_dir "
                    f"{output_dir}, which prints the accuracy on the run's evaluation data" if weights.is_file()
                    else "pass a checkpoint folder")

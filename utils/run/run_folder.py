@@ -28,17 +28,13 @@ from accelerate.logging import get_logger
 
 from ..errors import UserError
 from ..files import create_output_dir, write_json_atomically
-from ..run.best import BEST
+from ..output_files import BEST, EMA_WEIGHTS, EVAL_RESULTS, LOCK, RESULTS, RUN_RECORD, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import CHECKPOINT_NAME, TMP_PREFIX, list_checkpoints, main_process_warning
-from ..run.ema import EMA_WEIGHTS
-from ..run.progress import TRAINING_STATE, TrainingProgress
-from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..run.progress import TrainingProgress
+from ..run.run_record import RESUMABLE_KEYS, read_run_record
 
-RESULTS = "results.json"
-EVAL_RESULTS = "eval_results.json"  # --eval_only's; results.json stays the training run's
-LOCK = "run.lock"  # empty while no training holds it; "pid P on HOST since TIME" while one does
 # What a run leaves in --output_dir besides its checkpoints; --overwrite_output_dir deletes them with those.
-RUN_FILES = ("model.safetensors", EMA_WEIGHTS, RUN_RECORD, RESULTS, EVAL_RESULTS)
+RUN_FILES = (WEIGHTS, EMA_WEIGHTS, RUN_RECORD, RESULTS, EVAL_RESULTS)
 logger = get_logger(__name__)
 
 
@@ -102,7 +98,7 @@ def run_files_held(output_dir) -> list:
     unreadable = []  # those whose training_state.json cannot be read: a run's all the same
     checkpoints = [folder.name for folder in list_checkpoints(output_dir, unreadable) + sorted(unreadable)]
     best = [BEST] if (output_dir / BEST / TRAINING_STATE).is_file() else []
-    files = [name for name in ("model.safetensors", EMA_WEIGHTS, RESULTS) if (output_dir / name).is_file()]
+    files = [name for name in (WEIGHTS, EMA_WEIGHTS, RESULTS) if (output_dir / name).is_file()]
     return checkpoints + best + files
 
 
@@ -129,7 +125,7 @@ def check_output_dir(folder: RunFolder, checkpoint, resume_from_checkpoint) -> N
                     or {})
         changed = differences(recorded, record if results else run)
         unfinished_restart = (checkpoint is None and resume_from_checkpoint == "latest" and not changed
-                              and results is None and not (output_dir / "model.safetensors").exists())
+                              and results is None and not (output_dir / WEIGHTS).exists())
         if not unfinished_restart:
             raise UserError(refusal(output_dir, held, changed, checkpoint, finished=results is not None))
     if checkpoint is None:

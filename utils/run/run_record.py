@@ -4,9 +4,7 @@ import json
 from pathlib import Path
 
 from ..errors import UserError
-
-RUN_RECORD = "run.json"  # what defines a run; in OUTPUT_DIR and in each of its checkpoints (save_checkpoint)
-
+from ..output_files import RUN_RECORD
 
 # run.json keys a resume may change (utils/run/run_folder.py start_output_dir records them beside the run's own; epochs,
 # max_steps: train_image_classifier.py only); best/ keeps those of its time

@@ -1,6 +1,6 @@
 """Prediction with what a training run wrote (scripts/predict.py): the run's records read back and its model
 rebuilt from them, and the inputs as its evaluation read them (the predictions file's rows:
-utils/report/prediction_rows.py)."""
+utils/predict/prediction_rows.py)."""
 
 import bisect
 import itertools
@@ -19,10 +19,9 @@ from ..data.mnist import load_mnist
 from ..data.recipes import eval_transform
 from ..errors import UserError, first_line
 from ..models import ConvNet, build_model
-from ..run.ema import EMA_WEIGHTS
-from ..run.run_record import RESUMABLE_KEYS, RUN_RECORD, read_run_record
+from ..output_files import EMA_WEIGHTS, RESULTS, RUN_RECORD, WEIGHTS
+from ..run.run_record import RESUMABLE_KEYS, read_run_record
 
-WEIGHTS, RESULTS = "model.safetensors", "results.json"
 WEIGHT_FILES = {"model": WEIGHTS, "ema": EMA_WEIGHTS}  # --weights: the trained weights, or --model_ema's average
 SCRIPTS = ("train_mnist.py", "train_image_classifier.py")
 MNIST_CLASS_NAMES = [str(digit) for digit in range(10)]

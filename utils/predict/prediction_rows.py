@@ -12,8 +12,8 @@ from torch.utils.data import Dataset
 
 from ..errors import UserError
 
-if TYPE_CHECKING:  # predictions.py builds the inputs (and imports torchvision and datasets to do so)
-    from .predictions import Inputs
+if TYPE_CHECKING:  # trained_run.py builds the inputs (and imports torchvision and datasets to do so)
+    from .trained_run import Inputs
 
 
 class WholeBatches(Dataset):
