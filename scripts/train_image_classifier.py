@@ -16,7 +16,6 @@ global batches only and leaves the rest out (drop_last: a batch of one image wou
 
 import logging
 import sys
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from accelerate.utils import (  # [accelerate]
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
-    InitProcessGroupKwargs,
     set_seed,
 )
 from torch.utils.data import DataLoader
@@ -80,6 +78,12 @@ from utils.report.results import report_evaluation, report_run  # noqa: E402
 from utils.run.batch_size import fit_batch_size  # noqa: E402
 from utils.run.checkpoints import save_checkpoint, step_checkpoint_due  # noqa: E402
 from utils.run.ddp_diagnosis import unused_parameters_named  # noqa: E402
+from utils.run.deepspeed import (  # noqa: E402
+    accelerator_cpu,
+    model_to_save,
+    process_group_kwargs,
+    set_gradient_accumulation,
+)
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema  # noqa: E402
 from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu  # noqa: E402
 from utils.run.hangs import collective_timeouts_named  # noqa: E402
@@ -403,7 +407,9 @@ def main(args):
 
     accelerator = Accelerator(  # [accelerate] the launch config (or --mixed_precision) picks the precision
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
-        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to or None,
+        # --cpu under a DeepSpeed launch: not cpu=True (Accelerate would drop DeepSpeed) but a gloo group of the CPU
+        # processes (utils/run/deepspeed.py)
+        cpu=accelerator_cpu(args.cpu), mixed_precision=args.mixed_precision, log_with=args.report_to or None,
         project_dir=args.output_dir, gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
@@ -412,7 +418,7 @@ def main(args):
         # dynamo_backend None: as the launch config says
         step_scheduler_with_optimizer=False, dynamo_backend="inductor" if args.compile else None,
         # options of what Accelerate builds: DistributedDataParallel (see ddp_options) and the process group
-        kwargs_handlers=[ddp_options(args), InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])
+        kwargs_handlers=[ddp_options(args), process_group_kwargs(args.cpu, args.ddp_timeout)])
     # shared: after the Accelerator
     check_accelerator(accelerator)
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
@@ -455,7 +461,9 @@ def main(args):
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
             progress if resuming else None, model_input)
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # [accelerate] as resumed or fitted
+    # [accelerate] the accumulation as resumed or fitted; DeepSpeed, which owns the batch, the accumulation and the
+    # clipping, gets them and --max_grad_norm into its config (utils/run/deepspeed.py)
+    set_gradient_accumulation(accelerator, args.gradient_accumulation_steps, args.batch_size, args.max_grad_norm)
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
@@ -571,8 +579,8 @@ def main(args):
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
         else:  # the plain model's weights
-            # [accelerate] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
-            accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
+            # [accelerate] no DDP or compile wrapper; FSDP's shards, ZeRO-3's partitions gathered into the whole weights
+            accelerator.save_model(model_to_save(accelerator, model), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
             report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,
