@@ -461,8 +461,8 @@ def main(args):
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
             progress if resuming else None, model_input)
-    # [accelerate] the accumulation as resumed or fitted; DeepSpeed, which owns the batch, the accumulation and the
-    # clipping, gets them and --max_grad_norm into its config (utils/run/deepspeed.py)
+    # the Accelerator's accumulation as resumed or fitted; under DeepSpeed, which owns the batch, the accumulation and
+    # the clipping, also its config's (with --max_grad_norm: utils/run/deepspeed.py)
     set_gradient_accumulation(accelerator, args.gradient_accumulation_steps, args.batch_size, args.max_grad_norm)
     # [accelerate] the process count and global batch in effect, as its checkpoints will record them
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)

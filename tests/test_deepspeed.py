@@ -1,18 +1,23 @@
 """DeepSpeed ZeRO through Accelerate's DeepSpeed plugin on CPU processes (utils/run/deepspeed.py,
-accelerate_configs/deepspeed_zero2_cpu.yaml and deepspeed_zero3_cpu.yaml): the scripts' --cpu under a DeepSpeed
-launch, the launch checks, and the DeepSpeed config made to train what the scripts' flags say."""
+accelerate_configs/deepspeed_zero2_cpu.yaml and deepspeed_zero3_cpu.yaml), in this process: the scripts' --cpu under a
+DeepSpeed launch (a gloo group, not cpu=True), the launch checks, the DeepSpeed config made to train what the scripts'
+flags say, and what DeepSpeed does not take refused in one line."""
 
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 from accelerate.utils import DeepSpeedPlugin, DistributedType
+from helpers import REPO, load_script
 
 from utils.errors import UserError
 from utils.launch import launch_checks
+from utils.launch.flags import DEEPSPEED_UNSUPPORTED
 from utils.run.deepspeed import accelerator_cpu, process_group_kwargs, set_gradient_accumulation
 
 DEEPSPEED_LAUNCH = {"ACCELERATE_USE_DEEPSPEED": "true"}  # what `accelerate launch --use_deepspeed` exports
+TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
+CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 
 
 @pytest.fixture
@@ -101,3 +106,30 @@ def test_without_deepspeed_only_the_accumulation_is_set():
     accelerator = SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, gradient_accumulation_steps=1)
     set_gradient_accumulation(accelerator, 2, 24, None)
     assert vars(accelerator) == {"distributed_type": DistributedType.MULTI_CPU, "gradient_accumulation_steps": 2}
+
+
+@pytest.mark.parametrize("script, flags", [
+    (TRAIN_MNIST, ["--model_ema"]), (TRAIN_MNIST, ["--auto_find_batch_size"]),
+    (CLASSIFIER, ["--compile", "--data_dir", "images"]),
+    (CLASSIFIER, ["--streaming", "--max_steps", "4", "--data_dir", "images"]),
+])
+def test_what_deepspeed_does_not_take_is_refused_in_one_line(deepspeed_launch, script, flags, capsys):
+    """Each would run into DeepSpeed's engine untested or wrong (utils/launch/flags.py DEEPSPEED_UNSUPPORTED: why)."""
+    with pytest.raises(SystemExit) as exit:
+        load_script(script).parse_args(["--cpu", *flags])
+    flag = flags[0].lstrip("-")
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert exit.value.code != 0 and line.startswith("error: ") and (
+        f"--{flag} does not work under DeepSpeed here: {DEEPSPEED_UNSUPPORTED[flag]}; drop it, or launch without "
+        f"DeepSpeed (see --help)") in line
+
+
+def test_the_same_flags_without_deepspeed_are_accepted(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert load_script(TRAIN_MNIST).parse_args(["--cpu", "--model_ema", "--auto_find_batch_size"]).model_ema
+
+
+def test_deepspeed_and_fsdp_at_once_is_refused(deepspeed_launch, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(UserError, match="asks for both DeepSpeed and FSDP"):
+        launch_checks.check_enough_devices(cpu=True)
