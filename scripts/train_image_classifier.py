@@ -16,7 +16,6 @@ global batches only and leaves the rest out (drop_last: a batch of one image wou
 
 import logging
 import sys
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -29,7 +28,6 @@ from accelerate.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
     DistributedDataParallelKwargs,
-    InitProcessGroupKwargs,
     set_seed,
 )
 from torch.utils.data import DataLoader
@@ -80,6 +78,12 @@ from utils.report.results import report_evaluation, report_run
 from utils.run.batch_size import fit_batch_size
 from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
 from utils.run.ddp_diagnosis import unused_parameters_named
+from utils.run.deepspeed import (
+    accelerator_cpu,
+    model_to_save,
+    process_group_kwargs,
+    set_gradient_accumulation,
+)
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
 from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
 from utils.run.hangs import collective_timeouts_named
@@ -401,7 +405,9 @@ def main(args):
 
     accelerator = Accelerator(
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
-        cpu=args.cpu, mixed_precision=args.mixed_precision, log_with=args.report_to or None,
+        # --cpu under a DeepSpeed launch: not cpu=True (Accelerate would drop DeepSpeed) but a gloo group of the CPU
+        # processes (utils/run/deepspeed.py)
+        cpu=accelerator_cpu(args.cpu), mixed_precision=args.mixed_precision, log_with=args.report_to or None,
         project_dir=args.output_dir, gradient_accumulation_steps=args.gradient_accumulation_steps,
         # Seedable sampler: epoch e's shuffle depends only on (seed, e), so a resumed run sees the same
         # batches. non_blocking: host-to-GPU copies of the pinned batches overlap with compute.
@@ -410,7 +416,7 @@ def main(args):
         # dynamo_backend None: as the launch config says
         step_scheduler_with_optimizer=False, dynamo_backend="inductor" if args.compile else None,
         # options of what Accelerate builds: DistributedDataParallel (see ddp_options) and the process group
-        kwargs_handlers=[ddp_options(args), InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))])
+        kwargs_handlers=[ddp_options(args), process_group_kwargs(args.cpu, args.ddp_timeout)])
     # shared: after the Accelerator
     check_accelerator(accelerator)
     shard_on_cpu(accelerator)  # an FSDP launch with --cpu: FSDP2 over the CPU processes, as on GPUs (utils/run/fsdp.py)
@@ -446,7 +452,8 @@ def main(args):
         args.batch_size, args.gradient_accumulation_steps = fit_batch_size(  # [collective]
             accelerator, model, optimizer, train_dataset, args.batch_size, args.gradient_accumulation_steps,
             progress if resuming else None, model_input)
-    accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps  # as resumed or fitted
+    # as resumed or fitted; under DeepSpeed, which owns the batch, the accumulation and the clipping, its config's too
+    set_gradient_accumulation(accelerator, args.gradient_accumulation_steps, args.batch_size, args.max_grad_norm)
     progress = progress.with_batch(accelerator.num_processes, args.batch_size, args.gradient_accumulation_steps)
 
     train_dataloader, eval_dataloader = build_loaders(args, accelerator, train_dataset, eval_dataset)
@@ -552,9 +559,9 @@ def main(args):
         accelerator.wait_for_everyone()  # [collective] all processes done before the main one saves
         if args.eval_only:  # eval_results.json, beside the training run's results.json
             report_evaluation(accelerator, results, checkpoint, progress, args.output_dir)
-        else:
-            # [collective] no DDP or compile wrapper; FSDP's shards gathered into the whole weights
-            accelerator.save_model(accelerator.unwrap_model(model, keep_torch_compile=False), args.output_dir)
+        else:  # the plain model's weights
+            # [collective] no DDP or compile wrapper; FSDP's shards, ZeRO-3's partitions gathered into the whole weights
+            accelerator.save_model(model_to_save(accelerator, model), args.output_dir)
             results.update(save_model_ema(accelerator, ema, args.output_dir))  # [collective] model_ema.safetensors
             # [collective] results.json
             report_run(accelerator, model, meter, progress, results, checkpoint, plan, args.output_dir, args.batch_size,

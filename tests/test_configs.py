@@ -33,6 +33,13 @@ def topology_problems(config: dict) -> list:
             problems.append("gpu_ids must list one distinct GPU per process")
     if machines > 1 and not config.get("main_process_port"):
         problems.append("several machines need one fixed main_process_port (0 lets each pick its own)")
+    deepspeed = config.get("deepspeed_config", {})
+    if kind == "DEEPSPEED" and (cpu or deepspeed.get("zero_stage") not in (2, 3)):
+        problems.append("DeepSpeed: ZeRO stage 2 or 3, use_cpu false (the scripts' --cpu runs it over CPU processes)")
+    if kind == "DEEPSPEED" and deepspeed.get("zero_stage") == 3 and not deepspeed.get("zero3_save_16bit_model"):
+        problems.append("ZeRO-3 without zero3_save_16bit_model: save_model cannot gather the whole weights")
+    if kind == "DEEPSPEED" and {"gradient_accumulation_steps", "gradient_clipping"} & set(deepspeed):
+        problems.append("DeepSpeed: leave gradient_accumulation_steps and gradient_clipping to the script's flags")
     if cpu and kind not in ("NO", "MULTI_GPU"):
         problems.append("CPU configs: 'NO' (one process) or MULTI_GPU with use_cpu (a gloo group)")
     return problems
@@ -53,6 +60,10 @@ def test_every_config_loads_passes_the_checker_and_fits_its_topology(name):
     ({"use_cpu": True, "mixed_precision": "fp16"}, "fp16 on the CPU"),
     ({"gpu_ids": "0,1,2", "num_processes": 2}, "gpu_ids"),
     ({"num_machines": 2, "num_processes": 16, "main_process_port": 0}, "fixed main_process_port"),
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 1}}, "ZeRO stage 2 or 3"),
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3}}, "zero3_save_16bit_model"),
+    ({"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 2, "gradient_accumulation_steps": 1}},
+     "leave gradient_accumulation_steps"),
 ])
 def test_the_invariants_can_fail(change, problem):
     config = copy.deepcopy(read("multi_gpu.yaml")) | change
@@ -63,7 +74,10 @@ def test_the_folder_has_a_config_per_topology():
     kinds = {(read(n)["distributed_type"], read(n).get("use_cpu", False), read(n).get("num_machines", 1) > 1)
              for n in ALL_CONFIGS}
     assert {("NO", True, False), ("MULTI_GPU", True, False), ("NO", False, False), ("MULTI_GPU", False, False),
-            ("MULTI_GPU", False, True), ("FSDP", False, False)} <= kinds
+            ("MULTI_GPU", False, True), ("FSDP", False, False), ("DEEPSPEED", False, False)} <= kinds
+    stages = {(read(n)["deepspeed_config"]["zero_stage"], read(n)["mixed_precision"]) for n in ALL_CONFIGS
+              if read(n)["distributed_type"] == "DEEPSPEED"}
+    assert stages == {(2, "fp16"), (3, "fp16"), (2, "no"), (3, "no")}  # GPUs, and the CPU processes the tests use
 
 
 # CPU configs launched by another test, in a run it makes anyway, which asserts the same of it: not launched again here.

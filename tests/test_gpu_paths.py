@@ -33,6 +33,7 @@ from utils.models import ConvNet
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 FSDP_CONFIG = REPO / "accelerate_configs" / "fsdp.yaml"
+DEEPSPEED_CONFIGS = {stage: REPO / "accelerate_configs" / f"deepspeed_{stage}.yaml" for stage in ("zero2", "zero3")}
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; CI has none")
 
 
@@ -175,6 +176,25 @@ def test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints
     resumed = results(tmp_path / "resumed")
     assert resumed["global_step"] == r["global_step"] and resumed["samples_seen"] == r["samples_seen"]
     assert resumed["eval_accuracy"] > 0.9
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_zero_on_one_gpu_trains_fp16_and_saves_the_plain_weights(stage, tmp_path, record_property):
+    """accelerate_configs/deepspeed_zero2.yaml and deepspeed_zero3.yaml as a GPU user launches them (fp16 with
+    DeepSpeed's loss scaling, NCCL), on one GPU: a short train_mnist run learns, and model.safetensors holds the whole
+    weights under the plain model's names (tests/test_deepspeed.py proves the CPU processes' runs against DDP)."""
+    pytest.importorskip("deepspeed", reason="an optional install: pip install -r requirements-deepspeed.txt")
+    data = make_synthetic_mnist(tmp_path / "data", num_train=1024, num_test=101)
+    gpu_launch(["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--output_dir", tmp_path / "out",
+                "--checkpointing_steps", "epoch"], config_file=DEEPSPEED_CONFIGS[stage])
+    r = results(tmp_path / "out")
+    record_numbers(record_property, r, "eval_accuracy", "optimizer_steps_skipped", "peak_memory_mb")
+    assert r["mixed_precision"] == "fp16" and r["num_processes"] == 1 and r["eval_samples"] == 101
+    assert r["eval_accuracy"] > 0.9 and r["optimizer_steps_skipped"] < r["global_step"]
+    ConvNet().load_state_dict(load_file(tmp_path / "out" / "model.safetensors"))  # strict: the plain names
+    assert list((tmp_path / "out" / "epoch_1").rglob("*optim_states.pt")), "DeepSpeed's own checkpoint"
 
 
 @pytest.mark.gpu

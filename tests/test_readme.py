@@ -48,7 +48,8 @@ def test_quickstart_has_the_install_run_and_test_commands():
 
 def test_ci_runs_the_readme_install_and_test_commands():
     ci = (REPO / ".ci" / "run").read_text()
-    assert "requirements=(-r requirements.txt -r requirements-trackers.txt -r requirements-export.txt)" in ci
+    assert ("requirements=(-r requirements.txt -r requirements-trackers.txt -r requirements-export.txt "
+            "-r requirements-deepspeed.txt)") in ci
     assert 'install=("${requirements[@]}" -c constraints.txt)' in ci  # CI installs the versions that were tested
     pinned = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
                   if line and not line.startswith("#"))

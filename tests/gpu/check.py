@@ -76,6 +76,9 @@ HEADLINES = {
     "FSDP on one GPU (fsdp.yaml)":
         "tests/test_gpu_paths.py::test_fsdp_on_one_gpu_saves_full_weights_and_resumes_from_sharded_checkpoints",
     "fp16 overflow steps counted": "tests/test_reliability.py::test_fp16_overflow_steps_are_counted",
+    **{f"DeepSpeed {stage.replace('zero', 'ZeRO-')} on one GPU (deepspeed_{stage}.yaml)":
+       f"tests/test_gpu_paths.py::test_deepspeed_zero_on_one_gpu_trains_fp16_and_saves_the_plain_weights[{stage}]"
+       for stage in ("zero2", "zero3")},
 }
 
 
@@ -115,6 +118,11 @@ def plan(work: Path) -> list:
         Step("resnet50_decode_on_device_compile_w4", 70,
              "ResNet-50 bf16 channels-last, --compile, 224 px JPEGs read by 4 workers, --decode_on_device (nvJPEG)",
              classifier, jpeg("resnet50_decode_on_device_compile_w4", 4, "--compile", "--decode_on_device")),
+        # issue 42: the ZeRO configs once on a GPU (fp16, NCCL), short train_mnist runs under each; the first step a
+        # plain run takes when time is left (or alone: --only pytest_deepspeed)
+        Step("pytest_deepspeed", 90, "train_mnist under deepspeed_zero2.yaml and deepspeed_zero3.yaml, fp16",
+             when=IF_TIME, pytest_paths=("tests/test_gpu_paths.py::test_deepspeed_zero_on_one_gpu_trains_fp16_and_saves"
+                                         "_the_plain_weights",)),
         # batch 1,024: the same run in fp32 on a 2-core CPU reached 0.987 (the target: 0.98)
         Step("mnist_device_60k", 45, "ConvNet fp16 on the device path, 60,000 digits an epoch, batch 1,024, 3 epochs",
              "scripts/benchmark_train.py",

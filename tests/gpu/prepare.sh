@@ -12,5 +12,8 @@ mkdir -p .gpu_check/wheels .gpu_check/data
 sed 's/#.*//' tests/gpu/wheels.txt | xargs python3 -m pip download -q --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .gpu_check/wheels
+# DeepSpeed (requirements-deepspeed.txt) has only a source release on PyPI: its pure-Python wheel, built here (its ops
+# compile at run time), at constraints.txt's version
+python3 -m pip wheel -q --no-deps --no-build-isolation -w .gpu_check/wheels "$(grep '^deepspeed==' constraints.txt)"
 cp -r "$data/mnist-10k" "$data/photos-jpeg" .gpu_check/data/
 du -sh .gpu_check

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import exit_with_error, first_line
+from .launch_checks import deepspeed_launch
 
 
 DEFAULT_EMA_DECAY = 0.9998  # --model_ema_decay: timm's, so that a recipe's value means the same here
@@ -278,6 +279,15 @@ def tracker_config(args) -> dict:
             for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, Path, list))}
 
 
+# What the DeepSpeed engine does not take from the scripts (utils/run/deepspeed.py), and why
+DEEPSPEED_UNSUPPORTED = {
+    "model_ema": "its average copies the plain model's parameters, which ZeRO-3 partitions into empty placeholders",
+    "auto_find_batch_size": "DeepSpeed fixes the batch per process when prepare builds its engine, once",
+    "compile": "Accelerate compiles DeepSpeed's engine by regions, a path these scripts have not been tested on",
+    "streaming": "a stream's last batches differ between processes, and DeepSpeed's engine needs whole global batches",
+}
+
+
 def check_flag_combinations(parser: ArgumentParser, args) -> None:
     """Flags that are wrong together, and the normal form of the tracking flags: `args.report_to`
     becomes the list of trackers for `Accelerator(log_with=...)` (empty: no tracking)."""
@@ -288,6 +298,9 @@ def check_flag_combinations(parser: ArgumentParser, args) -> None:
                      "with --eval_only, or resume training from 'latest' or a step_N/epoch_N folder")
     if args.overwrite_output_dir and args.resume_from_checkpoint is not None:
         parser.error("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues a run: pass one")
+    for flag, why in DEEPSPEED_UNSUPPORTED.items():
+        if deepspeed_launch() and getattr(args, flag, False):  # a script without the flag has it off
+            parser.error(f"--{flag} does not work under DeepSpeed here: {why}; drop it, or launch without DeepSpeed")
     for flag in ("eval_steps", "logging_steps"):  # a script without add_step_flags has neither
         if args.eval_only and getattr(args, flag, None) is not None:
             parser.error(f"--{flag} says when a training run does something every N optimizer steps, and --eval_only "

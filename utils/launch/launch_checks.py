@@ -8,6 +8,10 @@ from ..errors import UserError
 
 FSDP_NEEDS_DEVICES = ("the launch asks for FSDP, but this machine has no GPUs to shard the model over; add --cpu after "
                       "the script's name to shard it over CPU processes (docs/fsdp.md)")
+DEEPSPEED_NEEDS_DEVICES = ("the launch asks for DeepSpeed, but this machine has no GPUs; add --cpu after the script's "
+                           "name to run DeepSpeed over CPU processes (accelerate_configs/deepspeed_zero2_cpu.yaml)")
+DEEPSPEED_CPU_BESIDE_GPUS = ("--cpu with DeepSpeed on a machine with GPUs: DeepSpeed would still use the GPUs; drop "
+                             "--cpu, or hide them with CUDA_VISIBLE_DEVICES= to run DeepSpeed over CPU processes")
 
 
 def check_accelerator(accelerator) -> None:
@@ -103,10 +107,16 @@ def fsdp_launch() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def deepspeed_launch() -> bool:
+    """`accelerate launch` was asked for DeepSpeed (--use_deepspeed, or `distributed_type: DEEPSPEED` in the config)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+
+
 def check_enough_devices(cpu: bool) -> None:
     """Before the Accelerator exists (it would fail inside CUDA with "invalid device ordinal"):
-    one process per GPU, so a machine cannot run more local processes than it has GPUs; and FSDP
-    only where it can shard: on GPUs, or on CPU processes with --cpu (utils/run/fsdp.py)."""
+    one process per GPU, so a machine cannot run more local processes than it has GPUs; FSDP
+    only where it can shard: on GPUs, or on CPU processes with --cpu (utils/run/fsdp.py); DeepSpeed on the GPUs, or
+    with --cpu on a machine without them (utils/run/deepspeed.py)."""
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -114,6 +124,14 @@ def check_enough_devices(cpu: bool) -> None:
     # Without GPUs and without --cpu the processes would form no group, each holding the whole model
     if fsdp_launch() and not cpu and gpus == 0:
         raise UserError(FSDP_NEEDS_DEVICES)
+    if deepspeed_launch() and fsdp_launch():  # Accelerate would silently pick DeepSpeed
+        raise UserError("the launch asks for both DeepSpeed and FSDP (ACCELERATE_USE_DEEPSPEED and "
+                        "ACCELERATE_USE_FSDP); pick one: ZeRO-3 and FSDP both shard parameters, gradients and "
+                        "optimizer state")
+    if deepspeed_launch() and not cpu and gpus == 0:  # each process would be a DeepSpeed world of one
+        raise UserError(DEEPSPEED_NEEDS_DEVICES)
+    if deepspeed_launch() and cpu and gpus > 0:  # DeepSpeed picks its accelerator by what it finds, not by --cpu
+        raise UserError(DEEPSPEED_CPU_BESIDE_GPUS)
     if not cpu and gpus > 0 and local_rank >= gpus:
         local_processes = os.environ.get("LOCAL_WORLD_SIZE", "more")
         raise UserError(

@@ -8,6 +8,7 @@ from accelerate.utils import is_compiled_module
 from ..files import write_json_atomically
 from ..output_files import EVAL_RESULTS, RESULTS
 from ..report.meters import ThroughputMeter, peak_memory_mb
+from ..run.deepspeed import zero3
 from ..run.fingerprints import fingerprint, replica_fingerprints
 from ..run.fsdp import parameter_bytes
 from ..run.run_record import read_run_record
@@ -24,11 +25,12 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, results: di
     batches when it had no more than the warm-up's, as `train_samples_per_second_over` says). Every
     replica must hold the same weights: each process adds the fingerprints of its parameters and buffers
     (BatchNorm statistics agree after an evaluation: DDP broadcasts rank 0's buffers before each forward that
-    follows a synced training forward, so before the evaluation's first batch). Under FSDP each process holds a
-    shard, so the full weights are fingerprinted once.
+    follows a synced training forward, so before the evaluation's first batch). Under FSDP and ZeRO-3 each process
+    holds a shard, so the full weights are fingerprinted once.
     """
     device = accelerator.device
-    local_bytes, model_bytes = parameter_bytes(model)  # under FSDP: this process's shards
+    local_bytes, model_bytes = parameter_bytes(model)  # under FSDP (ZeRO-3): this process's shards (partitions)
+    sharded = accelerator.is_fsdp2 or zero3(accelerator)
     per_process = accelerator.gather(torch.tensor(
         [[meter.steady_samples, meter.steady_time_s, meter.train_time_s, peak_memory_mb(device), meter.samples,
           local_bytes]],
@@ -45,9 +47,9 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, results: di
         results["train_samples_per_second"], results["train_samples_per_second_over"] = None, "no_batches"
     results["train_time_s"] = slowest_in_all
     results["peak_memory_mb"] = per_process[:, 3].max().item()
-    results["parameter_bytes"] = model_bytes  # and what each process held: under FSDP its shards, about 1/N
+    results["parameter_bytes"] = model_bytes  # and what each process held: under FSDP (ZeRO-3) its shards, about 1/N
     results["parameter_bytes_per_process"] = [int(b) for b in per_process[:, 5]]
-    if accelerator.is_fsdp2:
+    if sharded:
         full_weights = accelerator.get_state_dict(model)  # gathers the shards (collective)
         replicas = [[fingerprint(full_weights.values()), 0]] if accelerator.is_main_process else []
     else:
@@ -57,7 +59,7 @@ def report_run(accelerator, model, meter: ThroughputMeter, progress, results: di
             "num_processes": accelerator.num_processes,
             "mixed_precision": accelerator.mixed_precision,
             "grad_scaler": accelerator.scaler is not None,
-            "sharded": accelerator.is_fsdp2,
+            "sharded": sharded,
             "compiled": is_compiled_module(model),  # torch.compile, by --compile or the launch config's dynamo backend
             # --epochs, or those --max_steps spans (the last one perhaps cut short); --streaming: the epochs gone through,
             # of lengths that vary and are not known beforehand (utils/data/streaming.py)

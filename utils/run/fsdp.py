@@ -97,6 +97,18 @@ def complete_fsdp_model(accelerator, model) -> None:
 
     if accelerator.distributed_type != DistributedType.FSDP:
         return
+    keep_rank_0_buffers(model)
+    if not all(hasattr(parameter.device_mesh, "_pg_registry") for parameter in model.parameters()):
+        raise RuntimeError(f"utils/run/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
+    atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
+
+
+def keep_rank_0_buffers(model) -> None:
+    """Every process takes rank 0's buffers (BatchNorm's running statistics) before its first evaluation forward after
+    training and before each state_dict(), as DDP's broadcast before each forward would have given it: where each
+    process updates its own copy (FSDP, DeepSpeed), every process then evaluates and saves the one model."""
+    import torch
+
     in_sync = {"buffers": False}
 
     def broadcast_from_rank_0():
@@ -112,9 +124,6 @@ def complete_fsdp_model(accelerator, model) -> None:
 
     model.register_forward_pre_hook(before_forward)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: broadcast_from_rank_0())
-    if not all(hasattr(parameter.device_mesh, "_pg_registry") for parameter in model.parameters()):
-        raise RuntimeError(f"utils/run/fsdp.py: torch {torch.__version__}'s DeviceMesh has no _pg_registry to release")
-    atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
 
 
 def _release_process_groups() -> None:
@@ -133,8 +142,15 @@ def _release_process_groups() -> None:
 
 def parameter_bytes(model) -> tuple:
     """(bytes of the parameters this process holds, bytes of the whole model's): under FSDP a process holds its
-    shard of each parameter (a DTensor's local tensor), about 1/N of the model; under DDP the whole model."""
+    shard of each parameter (a DTensor's local tensor), under DeepSpeed ZeRO-3 its partition (`ds_tensor`, padded to
+    N equal parts; the parameter itself is an empty placeholder outside a forward), each about 1/N of the model;
+    under DDP and ZeRO-2 the whole model."""
     from torch.distributed.tensor import DTensor
 
-    local = sum(p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes for p in model.parameters())
-    return local, sum(p.numel() * p.element_size() for p in model.parameters())
+    def held(p):
+        if hasattr(p, "ds_tensor"):
+            return p.ds_tensor.nbytes
+        return p.to_local().nbytes if isinstance(p, DTensor) else p.nbytes
+
+    local = sum(held(p) for p in model.parameters())
+    return local, sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in model.parameters())

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..output_files import BEST, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
+from ..run.deepspeed import complete_deepspeed_model
 from ..run.fsdp import complete_fsdp_model
 from ..run.progress import TrainingProgress, read_training_state
 
@@ -24,6 +25,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
     complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (run/fsdp.py)
+    complete_deepspeed_model(accelerator, model)  # under DeepSpeed: the same (run/deepspeed.py)
     if checkpoint is None:
         if resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {output_dir} yet: starting from scratch", main_process_only=True)

@@ -1,0 +1,118 @@
+"""DeepSpeed ZeRO through Accelerate's DeepSpeed plugin: on GPUs, and on CPU processes (a gloo group) with --cpu.
+
+Accelerate 1.15 builds the DeepSpeed plugin only when the Accelerator is not given cpu=True (accelerator.py keeps
+`deepspeed_plugins` only without it), and without a GPU it chooses no process-group backend, so each CPU process sees
+a world of one and DeepSpeed's batch check stops ("train_batch_size ... != ... * 1 * 2"). A gloo group named in
+InitProcessGroupKwargs is all DeepSpeed's CPU accelerator needs (it falls back to gloo without oneCCL). After that,
+everything is Accelerate's and DeepSpeed's own code: prepare builds the DeepSpeedEngine, backward steps it (the
+prepared optimizer's step and zero_grad do nothing), clip_grad_norm_ reads the norm DeepSpeed clipped with.
+"""
+
+import atexit
+from datetime import timedelta
+
+from ..errors import UserError
+from ..launch.launch_checks import deepspeed_launch
+from .fsdp import keep_rank_0_buffers
+
+
+def accelerator_cpu(cpu: bool) -> bool:
+    """The Accelerator's cpu argument for the scripts' --cpu: under a DeepSpeed launch False, since cpu=True would make
+    Accelerate drop DeepSpeed (the processes then run on the CPU over the gloo group of process_group_kwargs)."""
+    return cpu and not deepspeed_launch()
+
+
+def process_group_kwargs(cpu: bool, timeout_seconds: float):
+    """The Accelerator's InitProcessGroupKwargs for --cpu and --ddp_timeout: under a DeepSpeed launch with --cpu a gloo
+    group of the CPU processes (Accelerate chooses no backend without a GPU: each process would be a world of one);
+    otherwise the backend Accelerate picks."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    backend = {"backend": "gloo"} if cpu and deepspeed_launch() else {}
+    return InitProcessGroupKwargs(**backend, timeout=timedelta(seconds=timeout_seconds))
+
+
+def set_gradient_accumulation(accelerator, gradient_accumulation_steps: int, batch_size: int, max_grad_norm) -> None:
+    """Before `prepare`: the Accelerator accumulates gradient_accumulation_steps batches (as resumed or fitted), and
+    under DeepSpeed its config trains what the script's flags say. DeepSpeed owns the batch,
+    the accumulation and the clipping (backward steps its engine), so each of its values left "auto" becomes the
+    flag's: --batch_size (train_micro_batch_size_per_gpu), --gradient_accumulation_steps, --max_grad_norm
+    (gradient_clipping, 0 for none; Accelerate would fill "auto" with 1.0 and clip a run that asked for no clipping).
+    A value the launch set that differs, or an optimizer or scheduler block (the scripts build their own), stops here in
+    one line: Accelerate would train DeepSpeed's value with a warning, or stop in a traceback."""
+    from accelerate.utils import DistributedType
+
+    accelerator.gradient_accumulation_steps = gradient_accumulation_steps
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    config = accelerator.state.deepspeed_plugin.deepspeed_config
+    for block, flags in (("optimizer", "--learning_rate and the script's AdamW"), ("scheduler", "--lr_scheduler_type")):
+        if block in config:
+            raise UserError(f"the DeepSpeed config has its own {block} (a \"{block}\" block), but the scripts build "
+                            f"theirs from {flags}: remove the block from the DeepSpeed config")
+    wanted = {"train_micro_batch_size_per_gpu": (batch_size, "--batch_size"),
+              "gradient_accumulation_steps": (gradient_accumulation_steps, "--gradient_accumulation_steps"),
+              "gradient_clipping": (max_grad_norm or 0.0, "--max_grad_norm")}
+    for key, (value, flag) in wanted.items():
+        launched = config.get(key, "auto")
+        if launched == "auto":
+            config[key] = value
+        elif float(launched) != float(value):
+            raise UserError(f"the DeepSpeed launch sets {key} {launched}, but the script's {flag} is "
+                            f"{value or 'unset'}: give both the same value, or let the script's flag decide (leave "
+                            f"{key} out of accelerate launch's flags and config; \"auto\" in a DeepSpeed config file)")
+    train_batch_size = batch_size * gradient_accumulation_steps * accelerator.num_processes
+    if config.get("train_batch_size", "auto") not in ("auto", train_batch_size):
+        raise UserError(f"the DeepSpeed config sets train_batch_size {config['train_batch_size']}, but --batch_size "
+                        f"{batch_size} x --gradient_accumulation_steps {gradient_accumulation_steps} x "
+                        f"{accelerator.num_processes} processes is {train_batch_size}: set it to \"auto\"")
+
+
+def model_to_save(accelerator, model):
+    """What `accelerator.save_model` gathers the whole weights from: the plain model (no DDP or compile wrapper), but
+    under DeepSpeed the engine itself, whose ZeRO-3 partitions only it can gather (Accelerate's get_state_dict asks the
+    engine; the plain module under ZeRO-3 holds empty placeholders)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        return model
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def complete_deepspeed_model(accelerator, model) -> None:
+    """Under DeepSpeed (nothing otherwise): the prepared engine's buffers (BatchNorm's running statistics) mean what
+    they mean under DDP, rank 0's. DeepSpeed broadcasts the model once, at `prepare`; after that each process updates
+    its own buffers from its own batches, and would evaluate its own model. The hooks go on the plain module, which
+    the engine's forward and its checkpoints' state_dict call."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        keep_rank_0_buffers(accelerator.unwrap_model(model))
+        atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
+
+
+def _release_process_groups() -> None:
+    """At exit, DeepSpeed's references to its process groups, which Accelerate's end_training (torch's
+    destroy_process_group, not deepspeed.comm's) leaves behind, so that the groups are freed and their gloo worker
+    threads joined (one alive at exit can abort it: docs/migration_guide.md, "Ending a run cleanly"): those of
+    deepspeed.utils.groups, as deepspeed.comm.destroy_process_group releases them, and under ZeRO-3 those of the
+    engine, its optimizer and every partitioned parameter, which outlive the run (a bound method of the engine stays
+    referenced: measured with gc, DeepSpeed 0.19.8)."""
+    import gc
+
+    from deepspeed.utils import groups
+    from torch.distributed import ProcessGroup
+
+    groups._release_process_group_references(group=None)
+    for holder in gc.get_objects():
+        attributes = getattr(holder, "__dict__", None)
+        if isinstance(attributes, dict) and not isinstance(holder, type):
+            for name in [name for name, value in attributes.items() if isinstance(value, ProcessGroup)]:
+                attributes[name] = None
+    gc.collect()
+
+
+def zero3(accelerator) -> bool:
+    """DeepSpeed ZeRO stage 3: each process holds a partition of every parameter, as under FSDP2."""
+    plugin = accelerator.state.deepspeed_plugin if accelerator.distributed_type == "DEEPSPEED" else None
+    return plugin is not None and plugin.zero_stage == 3
