@@ -20,7 +20,7 @@ import pytest
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
-from helpers import REPO, TRAIN_MNIST, make_synthetic_mnist, results, run
+from helpers import REPO, TRAIN_MNIST, launcher_args, make_synthetic_mnist, results, run
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
 from sample_recorder import finished_job, jobs_file
@@ -42,24 +42,22 @@ MNIST = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "16", "--che
 # 24 images (6 in each of 4 classes), 2 x 4 per step: 3 steps per epoch, 6 in all; a checkpoint at step 4 (in epoch 1)
 CLASSIFIER_ARGS = ["--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0",
                    "--epochs", "2", "--batch_size", "4", "--checkpointing_steps", "4"]
-ZERO_3 = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}
+ZERO_2_CPU = REPO / "accelerate_configs" / "deepspeed_zero2_cpu.yaml"
+# what `accelerate launch --config_file accelerate_configs/deepspeed_zero3_cpu.yaml` exports beyond the ZeRO-2 config
+ZERO_3 = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"}
 
 
 def launch_jobs(jobs: dict, root) -> dict:
-    """One DeepSpeed launch (ZeRO-2, the whole weights gathered at the end under ZeRO-3) on 2 CPU processes of
-    tests/sample_recorder.py --jobs, each job {NAME: (ENV, [SCRIPT, *ARGS], FAILS)} in turn: `SCRIPT --cpu ARGS` with
+    """One launch of accelerate_configs/deepspeed_zero2_cpu.yaml on 2 CPU processes of
+    tests/sample_recorder.py --jobs, each job {NAME: (ENV, [SCRIPT, *ARGS])} in turn: `SCRIPT --cpu ARGS` with
     ENV set, ROOT/samples_NAME its $SAMPLE_LOG.
-    Returns {NAME: the job as a finished process, every rank's output in .stderr}; fails unless each job exited as
-    expected (FAILS: non-zero)."""
+    Returns {NAME: the job as a finished process, every rank's output in .stderr}; fails unless every job exited 0."""
     manifest = jobs_file(root / "jobs.json", [
-        {"argv": [script, "--cpu", *args], "sample_log": root / f"samples_{name}", "timeout": 600, "fails": fails,
-         "env": env}
-        for name, (env, (script, *args), fails) in jobs.items()])
-    launch = run([sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--zero_stage", "2",
-                  "--zero3_save_16bit_model", "true", "--gradient_accumulation_steps", "1", "--num_machines", "1",
-                  "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-                  "0", RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs))
-    finished = {name: finished_job(root / f"samples_{name}", 2, fails) for name, (_, _, fails) in jobs.items()}
+        {"argv": [script, "--cpu", *args], "sample_log": root / f"samples_{name}", "timeout": 600, "env": env}
+        for name, (env, (script, *args)) in jobs.items()])
+    launch = run([*launcher_args(config_file=ZERO_2_CPU), "--num_processes", "2", RECORDER, "--jobs", manifest],
+                 check=False, timeout=600 * len(jobs))
+    finished = {name: finished_job(root / f"samples_{name}", 2) for name in jobs}
     assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
     return finished
 
@@ -89,12 +87,12 @@ def launched(tmp_path_factory):
                 root / run_name / checkpoint]
 
     runs = launch_jobs({
-        "zero2": ({}, [*mnist, "--output_dir", root / "zero2"], False),
-        "zero3": (ZERO_3, [*mnist, "--output_dir", root / "zero3"], False),
-        "classifier": (ZERO_3, [*classifier, "--output_dir", root / "classifier"], False),
-        "zero2_resumed": ({}, resumed(mnist, "zero2", "step_9", "zero2_resumed"), False),
-        "zero3_resumed": (ZERO_3, resumed(mnist, "zero3", "step_9", "zero3_resumed"), False),
-        "classifier_resumed": (ZERO_3, resumed(classifier, "classifier", "step_4", "classifier_resumed"), False),
+        "zero2": ({}, [*mnist, "--output_dir", root / "zero2"]),
+        "zero3": (ZERO_3, [*mnist, "--output_dir", root / "zero3"]),
+        "classifier": (ZERO_3, [*classifier, "--output_dir", root / "classifier"]),
+        "zero2_resumed": ({}, resumed(mnist, "zero2", "step_9", "zero2_resumed")),
+        "zero3_resumed": (ZERO_3, resumed(mnist, "zero3", "step_9", "zero3_resumed")),
+        "classifier_resumed": (ZERO_3, resumed(classifier, "classifier", "step_4", "classifier_resumed")),
     }, root)
     return root, runs
 
