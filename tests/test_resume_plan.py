@@ -344,7 +344,8 @@ def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_stat
 
     calls = []
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: calls.append(("complete", model)))
-    monkeypatch.setattr(resume, "complete_deepspeed_model", lambda accelerator, model: None)  # not DeepSpeed
+    monkeypatch.setattr(resume, "check_deepspeed_run", lambda accelerator, checkpoint: None)  # not DeepSpeed
+    monkeypatch.setattr(resume, "buffers_as_under_ddp", lambda accelerator, model: None)
     real_set = dcp_state_dict.set_model_state_dict
     monkeypatch.setattr(dcp_state_dict, "set_model_state_dict", lambda model, state, options: (
         calls.append(("set", options.full_state_dict)), real_set(model, state, options=options))[1])
@@ -358,7 +359,8 @@ def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_stat
 
 def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_process, caplog, monkeypatch):
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: None)
-    monkeypatch.setattr(resume, "complete_deepspeed_model", lambda accelerator, model: None)
+    monkeypatch.setattr(resume, "check_deepspeed_run", lambda accelerator, checkpoint: None)
+    monkeypatch.setattr(resume, "buffers_as_under_ddp", lambda accelerator, model: None)
     with caplog.at_level("INFO"):
         resume.load_checkpoint(SimpleNamespace(), None, None, TrainingProgress(), "latest", run_folder)
         resume.load_checkpoint(SimpleNamespace(load_state=lambda folder: None), None, run_folder / "step_2",

@@ -28,7 +28,7 @@ COLLECTIVE_HELPERS = (
     "save_model_ema",  # run/ema.py: gathers every process's fingerprints of the average
     "epoch_batches",  # data/streaming.py: a stream's batches_every_process_has
     "batches_every_process_has",  # data/streaming.py: gathers every process's "I have a whole accumulation cycle"
-    # run/fsdp.py: keep_rank_0_buffers's hooks (FSDP and DeepSpeed), which torch calls (the scripts never do): they
+    # run/fsdp.py: keep_rank_0_buffers's hooks (FSDP), which torch calls (the scripts never do): they
     # broadcast rank 0's buffers before the first evaluation forward after training and before each state_dict(), both
     # collective
     "broadcast_from_rank_0",

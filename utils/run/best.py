@@ -6,6 +6,7 @@ from accelerate.logging import get_logger
 from ..launch.flags import HIGHER_IS_BETTER
 from ..output_files import BEST
 from ..run.checkpoints import save_checkpoint
+from ..run.deepspeed import model_to_save
 from ..run.progress import TrainingProgress
 
 logger = get_logger(__name__)
@@ -30,7 +31,7 @@ def save_if_best(accelerator, model, progress: TrainingProgress, results: dict, 
     if metric_for_best.startswith("eval_ema_"):
         plain_model = ema.module
     else:
-        plain_model = accelerator.unwrap_model(model, keep_torch_compile=False)
+        plain_model = model_to_save(accelerator, model)  # DeepSpeed's engine gathers ZeRO-3's partitions
     saved = save_checkpoint(accelerator, output_dir, BEST, progress,
                             write_into=lambda folder: accelerator.save_model(plain_model, folder))
     logger.info(f"step {progress.global_step} (epoch {epoch}): best {metric_for_best} so far ({value:.4f}), "

@@ -8,12 +8,10 @@ everything is Accelerate's and DeepSpeed's own code: prepare builds the DeepSpee
 prepared optimizer's step and zero_grad do nothing), clip_grad_norm_ reads the norm DeepSpeed clipped with.
 """
 
-import atexit
 from datetime import timedelta
 
 from ..errors import UserError
 from ..launch.launch_checks import deepspeed_launch
-from .fsdp import keep_rank_0_buffers
 
 
 def accelerator_cpu(cpu: bool) -> bool:
@@ -77,39 +75,6 @@ def model_to_save(accelerator, model):
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         return model
     return accelerator.unwrap_model(model, keep_torch_compile=False)
-
-
-def complete_deepspeed_model(accelerator, model) -> None:
-    """Under DeepSpeed (nothing otherwise): the prepared engine's buffers (BatchNorm's running statistics) mean what
-    they mean under DDP, rank 0's. DeepSpeed broadcasts the model once, at `prepare`; after that each process updates
-    its own buffers from its own batches, and would evaluate its own model. The hooks go on the plain module, which
-    the engine's forward and its checkpoints' state_dict call."""
-    from accelerate.utils import DistributedType
-
-    if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        keep_rank_0_buffers(accelerator.unwrap_model(model))
-        atexit.register(_release_process_groups)  # runs before the interpreter tears down the threads
-
-
-def _release_process_groups() -> None:
-    """At exit, DeepSpeed's references to its process groups, which Accelerate's end_training (torch's
-    destroy_process_group, not deepspeed.comm's) leaves behind, so that the groups are freed and their gloo worker
-    threads joined (one alive at exit can abort it: docs/migration_guide.md, "Ending a run cleanly"): those of
-    deepspeed.utils.groups, as deepspeed.comm.destroy_process_group releases them, and under ZeRO-3 those of the
-    engine, its optimizer and every partitioned parameter, which outlive the run (a bound method of the engine stays
-    referenced: measured with gc, DeepSpeed 0.19.8)."""
-    import gc
-
-    from deepspeed.utils import groups
-    from torch.distributed import ProcessGroup
-
-    groups._release_process_group_references(group=None)
-    for holder in gc.get_objects():
-        attributes = getattr(holder, "__dict__", None)
-        if isinstance(attributes, dict) and not isinstance(holder, type):
-            for name in [name for name, value in attributes.items() if isinstance(value, ProcessGroup)]:
-                attributes[name] = None
-    gc.collect()
 
 
 def zero3(accelerator) -> bool:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..output_files import BEST, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
-from ..run.deepspeed import complete_deepspeed_model
+from ..run.deepspeed_checkpoints import buffers_as_under_ddp, check_deepspeed_run
 from ..run.fsdp import complete_fsdp_model
 from ..run.progress import TrainingProgress, read_training_state
 
@@ -25,7 +25,9 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     The weights-only folder `best` (--eval_only) loads into `model` alone.
     No checkpoint (None): a fresh start, said so when --resume_from_checkpoint latest found none."""
     complete_fsdp_model(accelerator, model)  # under FSDP: rank 0's BatchNorm statistics as under DDP (run/fsdp.py)
-    complete_deepspeed_model(accelerator, model)  # under DeepSpeed: the same (run/deepspeed.py)
+    # DeepSpeed's checkpoints resume under DeepSpeed, on the processes that saved them (run/deepspeed_checkpoints.py)
+    check_deepspeed_run(accelerator, None if checkpoint is None or weights_only(checkpoint) else checkpoint)
+    buffers_as_under_ddp(accelerator, model)  # under DeepSpeed: rank 0's BatchNorm statistics, as DDP keeps them
     if checkpoint is None:
         if resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {output_dir} yet: starting from scratch", main_process_only=True)
