@@ -26,10 +26,11 @@ import torch.distributed.nn  # [accelerate] before any process group: docs/migra
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
+from accelerate.utils import GradScalerKwargs  # [accelerate]
 from torch.utils.data import TensorDataset
 
 
-def add_argument():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MNIST")
     # [accelerate] split over the processes below, as DeepSpeed splits train_batch_size
     parser.add_argument("-b", "--batch_size", default=64, type=int, help="global batch size: train_batch_size")
@@ -43,7 +44,7 @@ def add_argument():
     parser.add_argument("--save-model", metavar="PATH", help="save the trained weights here")
     # [accelerate] accelerate's examples' --cpu, for CPU processes where there are GPUs or none
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even where there are GPUs")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 # [accelerate] DeepSpeed's WarmupLR ("log", warmup_min_lr 0) as a LambdaLR factor of warmup_max_lr, its arithmetic
@@ -103,6 +104,8 @@ def main(args):
         mixed_precision={"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[args.dtype],
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=0),
         step_scheduler_with_optimizer=False,
+        # the fp16 block's dynamic loss scale: 2**initial_scale_power, grown after loss_scale_window clean steps
+        kwargs_handlers=[GradScalerKwargs(init_scale=2.0**15, growth_interval=500)],
     )
     # [accelerate] without --cpu on a machine without GPUs, `accelerate launch --multi_gpu` starts lone processes
     if accelerator.num_processes != int(os.environ.get("WORLD_SIZE", 1)):
@@ -196,4 +199,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(add_argument())
+    main(parse_args())

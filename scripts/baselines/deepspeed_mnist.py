@@ -28,7 +28,7 @@ from deepspeed.accelerator import get_accelerator
 from torch.utils.data import TensorDataset
 
 
-def add_argument():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="MNIST")
     parser.add_argument("-b", "--batch_size", default=64, type=int, help="global batch size: train_batch_size")
     parser.add_argument("-e", "--epochs", default=1, type=int, help="number of total epochs (default: 1)")
@@ -44,7 +44,7 @@ def add_argument():
 
     # Include DeepSpeed configuration arguments
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def get_ds_config(args):
@@ -222,4 +222,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(add_argument())
+    main(parse_args())
