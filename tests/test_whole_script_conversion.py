@@ -760,7 +760,7 @@ def test_deepspeed_adam_converted_to_torch_adam_trains_another_model(deepspeed_r
     # measured: 0.0003 at step 4, 0.0070 at step 8: 150 and 3,500 times the tolerance the conversion meets (2e-6)
     assert drift[3] > 1e-4 and drift[-1] > 3e-3, drift
     apart = max((weights_adam[name] - weights_before[name]).abs().max().item() for name in weights_before)
-    assert apart > 1e-3, apart
+    assert apart > 1e-3, apart  # measured: 0.011, where the conversion meets 3.7e-8 on 2 processes
 
 
 def test_deepspeed_warmup_prepared_under_the_default_warms_up_num_processes_times_too_fast(silent_differences,
