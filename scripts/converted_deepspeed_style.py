@@ -113,9 +113,11 @@ def main(args):
                  f"group: on a machine without GPUs add --cpu to the script's flags (and --multi_gpu to the launch's)")
     # [accelerate] DeepSpeed stops on fp16 without a GPU; Accelerate would train in fp32 without a word
     if args.dtype == "fp16" and accelerator.device.type == "cpu":
+        accelerator.end_training()  # the group's gloo threads stopped before the exit
         sys.exit("error: --dtype fp16 needs a GPU: on CPU processes use --dtype bf16 or fp32")
     # [accelerate] train_batch_size is the global batch: each process loads its share, as DeepSpeed's micro batch
     if args.batch_size % accelerator.num_processes:
+        accelerator.end_training()
         sys.exit(f"error: --batch_size {args.batch_size} does not split over {accelerator.num_processes} processes: "
                  f"give a multiple of {accelerator.num_processes}")
 

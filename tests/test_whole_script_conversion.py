@@ -652,6 +652,17 @@ def deepspeed_jobs(out, num_processes) -> dict:
     if num_processes == 1:
         jobs["deepspeed_literal_adam_1"] = [LITERAL_ADAM, DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS, "--save-model",
                                             out / "deepspeed_literal_adam_1.pt"]
+        # fp16 on a CPU: DeepSpeed stops at initialize (its group left alive: recorded apart), the after in its one
+        # error: line
+        (out / "deepspeed_fp16_before_1_exit_check").mkdir()
+        jobs["deepspeed_fp16_before_1"] = {
+            "env": {**env, "EXIT_CHECK_DIR": str(out / "deepspeed_fp16_before_1_exit_check")}, "fails": True,
+            "argv": [DEEPSPEED_BEFORE, *DEEPSPEED_ARGS, "--dtype", "fp16"]}
+        jobs["deepspeed_fp16_after_1"] = {"fails": True, "argv": [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS,
+                                                                  "--dtype", "fp16"]}
+    else:  # a global batch that does not split over the processes
+        jobs["deepspeed_odd_batch_after_2"] = {"fails": True, "argv": [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS,
+                                                                       "-b", "63"]}
     return jobs
 
 
@@ -778,3 +789,20 @@ def test_deepspeed_warmup_prepared_under_the_default_warms_up_num_processes_time
         assert fixed == pytest.approx(deepspeed, rel=1e-7)  # printed to 8 digits
         assert (default == fixed) == (processes == 1)
     assert default[:3] == pytest.approx([0.0005, 0.001, 0.001], rel=1e-7)  # 2 processes: the peak after 2 steps
+
+
+@requires_mnist_10k
+def test_deepspeed_fp16_on_a_cpu_and_an_unsplittable_batch_stop_in_one_line(conversion_runs):
+    """DeepSpeed's fp16 on CPU processes stops at deepspeed.initialize; Accelerate's would train in fp32 without a word,
+    so the after stops in one error: line, as it does for a global batch that does not split over the processes."""
+    out, _ = conversion_runs
+    statuses, outputs = job_outcome(out / "one_process" / "deepspeed_fp16_before_1", 1)
+    assert statuses == [1] and "ValueError: Type fp16 is not supported on your device." in outputs[0], outputs[0][-3000:]
+    for name, processes, line in (
+            ("one_process/deepspeed_fp16_after_1", 1, "error: --dtype fp16 needs a GPU: on CPU processes use --dtype "
+                                                      "bf16 or fp32"),
+            ("two_processes/deepspeed_odd_batch_after_2", 2, "error: --batch_size 63 does not split over 2 processes: "
+                                                             "give a multiple of 2")):
+        statuses, outputs = job_outcome(out / name, processes)
+        assert statuses == [1] * processes, (name, [output[-2000:] for output in outputs])
+        assert all(output.strip().splitlines()[-1] == line and "Traceback" not in output for output in outputs), outputs
