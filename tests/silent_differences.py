@@ -11,13 +11,18 @@ one-process and its two-process launch, and asserts the numbers):
 2. A per-step warm-up. A prepared scheduler (step_scheduler_with_optimizer=True, Accelerate's default) steps
    num_processes times per optimizer step, so a warm-up over W optimizer steps must be built W x num_processes long;
    built W long it ends after W / num_processes optimizer steps. An unprepared scheduler, stepped by hand once per
-   optimizer step, keeps its W.
+   optimizer step, keeps its W. DeepSpeed's WarmupLR, as scripts/converted_deepspeed_style.py writes it, is such a
+   warm-up: prepared under the default it warms up num_processes times too fast; prepared under
+   step_scheduler_with_optimizer=False (the converted script's Accelerator) it steps once per optimizer step, as
+   DeepSpeed's engine steps it.
 
 usage: silent_differences.py OUT.json   (each process writes its numbers to OUT.json.rank{RANK})
 """
 
+import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -27,6 +32,8 @@ from torchmetrics.classification import Accuracy
 
 SAMPLES, BATCH_SIZE, CLASSES = 501, 64, 10
 WARMUP, STEPS = 4, 6  # optimizer steps
+DEEPSPEED_AFTER = Path(__file__).resolve().parents[1] / "scripts" / "converted_deepspeed_style.py"
+DEEPSPEED_LR, DEEPSPEED_WARMUP, DEEPSPEED_STEPS = 0.001, 4, 8  # its ds_config's warmup_max_lr, warmup_num_steps; steps
 
 
 def metric_counts(accelerator) -> dict:
@@ -81,10 +88,33 @@ def warmup_learning_rates(accelerator) -> dict:
     return learning_rates
 
 
+def deepspeed_warmup_learning_rates(accelerator) -> dict:
+    """{way: the learning rate after each of DEEPSPEED_STEPS optimizer steps} of the converted DeepSpeed script's
+    WarmupLR, prepared with Accelerate's default and with step_scheduler_with_optimizer=False."""
+    spec = importlib.util.spec_from_file_location("converted_deepspeed_style", DEEPSPEED_AFTER)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # its definitions only: main() runs under __main__
+    learning_rates = {}
+    for way, step_with_optimizer in (("prepared, step_scheduler_with_optimizer=True", True),
+                                     ("prepared, step_scheduler_with_optimizer=False", False)):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=DEEPSPEED_LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, script.warmup_lr_lambda(DEEPSPEED_WARMUP))
+        accelerator.step_scheduler_with_optimizer = step_with_optimizer  # read by prepare()
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        learning_rates[way] = []
+        for _ in range(DEEPSPEED_STEPS):
+            optimizer.step()
+            scheduler.step()
+            learning_rates[way].append(scheduler.get_last_lr()[0])
+    accelerator.step_scheduler_with_optimizer = True
+    return learning_rates
+
+
 def main(out) -> None:
     accelerator = Accelerator(cpu=True)
     numbers = {"num_processes": accelerator.num_processes, "metrics": metric_counts(accelerator),
-               "warmup": warmup_learning_rates(accelerator)}
+               "warmup": warmup_learning_rates(accelerator),
+               "deepspeed_warmup": deepspeed_warmup_learning_rates(accelerator)}
     with open(f"{out}.rank{accelerator.process_index}", "w") as file:
         json.dump(numbers, file)
     accelerator.end_training()

@@ -16,7 +16,8 @@ README = (REPO / "README.md").read_text()
 DOCUMENTS = documents()
 MIGRATION_PAIRS = ("minimal_mnist.py", "minimal_mnist_plain.py", "converted_ddp_imagenet_style.py", "ddp_imagenet_style.py",
                    "converted_horovod_style.py", "horovod_mnist.py", "converted_apex_amp_style.py",
-                   "apex_amp_imagenet_style.py", "converted_fabric_style.py", "fabric_mnist.py")
+                   "apex_amp_imagenet_style.py", "converted_fabric_style.py", "fabric_mnist.py",
+                   "converted_deepspeed_style.py", "deepspeed_mnist.py")
 
 
 def text_of(document: str) -> str:
@@ -236,6 +237,8 @@ RUN_ELSEWHERE = {
     "scripts/converted_apex_amp_style.py": "takes its data as a positional argument: "
                                            "tests/test_whole_script_conversion.py runs it",
     "scripts/converted_fabric_style.py": "tests/test_whole_script_conversion.py runs it beside its Fabric original",
+    "scripts/converted_deepspeed_style.py": "tests/test_whole_script_conversion.py runs it beside its DeepSpeed "
+                                            "original",
 }
 RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train_image_classifier.py")
 # Launches (launcher flags and script, as first_command_per_topology tells them apart) that another test already makes
