@@ -1,0 +1,177 @@
+"""Several runs in one launch: the tests' one job runner.
+
+A launched Python process spends 8-10 s of CPU importing torch, Accelerate and the data libraries, most of a small
+run. `launch_jobs` launches this file once (`accelerate launch tests/jobs.py JOBS.json`, torchrun, or plain python):
+each launched process imports those once, then forks one child per job, in the file's order, that runs the job's
+`SCRIPT ARGS` as `python SCRIPT ARGS` would (as __main__; a launcher's own arguments, torch.distributed.launch's
+--local-rank=N, before ARGS) and ends as a process does (atexit handlers, the exit check of tests/exit_check). A job
+waits for the one before it, so it may resume from its checkpoints.
+
+Every job's files start with its LOG path (FOLDER/NAME), one set per rank R:
+    LOG.rankR.out    its stdout and stderr
+    LOG.rankR.exit   its exit status, written by the launched process: negative for a signal, "timeout" when it ran
+                     past its limit and was killed
+    LOG.threads_left gloo worker threads alive at a process's exit (tests/exit_check), one file each
+    LOG.rankR        with "record_samples": the training samples it fetched (tests/sample_recording.py)
+`read_job` reads them back, rank 0 first; `finished_job` also asserts how the job ended. The launch itself exits 0
+whatever its jobs did: a test reads its own job, so one broken run fails only the tests about it.
+
+A job's own settings: "env", variables set for it only (torchrun's for ddp_mnist.py); "unset_env", prefixes of the
+launch's variables it runs without (an FSDP launch's ACCELERATE_USE_FSDP and FSDP_*: a DDP job); "cwd"; "path", folders
+put first on sys.path (Horovod's and apex's stand-ins); "own_group" (default true): its own MASTER_PORT, so that the
+children of every rank form a group of their own, false: the launcher's rendezvous store and port, as a script
+launched alone has them; "timeout" (s, default 600).
+"""
+
+import faulthandler
+import gc
+import importlib
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# What the scripts import that costs seconds: imported once per launched process, before any fork.
+SCRIPT_IMPORTS = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accelerate.utils", "torchvision", "datasets",
+                  "evaluate", "safetensors.torch", "tqdm.auto"]
+JOB_TIMEOUT = 600
+
+
+def launch_jobs(jobs: dict, launcher: list, folder, env=None, cwd=None, preload=SCRIPT_IMPORTS, not_preloaded=()):
+    """Run `jobs` {NAME: [SCRIPT, *ARGS], or a dict with "argv" and the settings above} in one launch of this file by
+    `launcher` (e.g. helpers.launcher_args(2), or [sys.executable] for one process), each job's files at FOLDER/NAME;
+    `env`: the launch's variables. `preload`: the modules imported before the forks; `not_preloaded`: those it must
+    leave out (asserted). Returns the launch as a finished process (its launcher's output); read the jobs with
+    finished_job or read_job."""
+    from helpers import REPO, free_consecutive_ports, run  # the test process's; launched processes do not import them
+
+    folder = Path(folder)
+    jobs = {name: job if isinstance(job, dict) else {"argv": job} for name, job in jobs.items()}
+    first_port = free_consecutive_ports(len(jobs))
+    manifest = folder / f"{next(iter(jobs))}.jobs.json"
+    manifest.write_text(json.dumps({"preload": list(preload), "not_preloaded": list(not_preloaded), "jobs": [
+        {**job, "argv": list(map(str, job["argv"])), "log": str(folder / name), "port": first_port + index,
+         **({"cwd": str(job["cwd"])} if "cwd" in job else {}), "path": list(map(str, job.get("path", ())))}
+        for index, (name, job) in enumerate(jobs.items())]}))
+    # each job's limit, and its launcher's start
+    timeout = sum(job.get("timeout", JOB_TIMEOUT) for job in jobs.values()) + 120
+    return run([*launcher, Path(__file__), manifest], check=False, timeout=timeout, env=env, cwd=cwd or REPO)
+
+
+@dataclass
+class Job:
+    """What a job's processes left, rank 0 first: exit statuses (None: none written, the job killed at its timeout
+    or never started), outputs, and the exit check's reports of gloo threads left alive."""
+    name: str
+    statuses: list
+    outputs: list
+    threads_left: list
+
+    @property
+    def output(self) -> str:
+        """Every rank's stdout and stderr, rank 0's first."""
+        return "".join(self.outputs)
+
+    @property
+    def returncode(self):
+        """0 where every process exited 0, else the first other status."""
+        return next((status for status in self.statuses if status != 0), 0)
+
+
+def read_job(log, num_processes: int = 1) -> Job:
+    """The files job LOG left (see the top of this file), whatever it did."""
+    log = Path(log)
+
+    def text(suffix):
+        path = log.with_name(log.name + suffix)
+        return path.read_text(errors="replace") if path.exists() else None
+
+    statuses = [text(f".rank{rank}.exit") for rank in range(num_processes)]
+    threads = log.with_name(f"{log.name}.threads_left")
+    return Job(log.name, [None if status in (None, "timeout") else int(status) for status in statuses],
+               [text(f".rank{rank}.out") or "" for rank in range(num_processes)],
+               [path.read_text() for path in sorted(threads.iterdir())] if threads.exists() else [])
+
+
+def finished_job(log, num_processes: int = 1, fails: bool = False) -> Job:
+    """Job LOG, asserting that every rank ended (none killed at its timeout) with the same exit status, 0 unless it
+    `fails`, and that no process of a job that succeeded left a gloo thread alive at its exit."""
+    job = read_job(log, num_processes)
+    statuses = job.statuses
+    assert None not in statuses and len(set(statuses)) == 1 and (statuses[0] != 0) == fails, (
+        f"job {job.name} exited {statuses}\n{job.output[-6000:]}")
+    assert fails or not job.threads_left, f"job {job.name}: {''.join(job.threads_left)}release the DDP model before " \
+                                          "end_training (docs/ending_a_run_cleanly.md)"
+    return job
+
+
+def wait_for(pid: int, timeout: float):
+    """A forked child's exit code (negative: a signal), or None when it ran past `timeout` and was killed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+def run_job(job: dict, rank: str, launcher_args: list) -> None:
+    """In the forked child: become `python SCRIPT LAUNCHER_ARGS ARGS` with the job's settings, and run it."""
+    log = job["log"]
+    os.environ.update({**job.get("env", {}), "EXIT_CHECK_DIR": f"{log}.threads_left"})
+    os.makedirs(os.environ["EXIT_CHECK_DIR"], exist_ok=True)
+    if job.get("own_group", True):  # rank 0's child serves its group's store
+        os.environ.update({"MASTER_PORT": str(job["port"]), "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    for name in [name for name in os.environ if name.startswith(tuple(job.get("unset_env", ())))]:
+        del os.environ[name]
+    with open(f"{log}.rank{rank}.out", "w") as output:
+        os.dup2(output.fileno(), 1)
+        os.dup2(output.fileno(), 2)
+    if "cwd" in job:
+        os.chdir(job["cwd"])
+    sys.path[:0] = job["path"]
+    if job.get("record_samples"):
+        from sample_recording import record_samples  # beside this file
+
+        record_samples(log)
+    # A process that the launcher stops because another one failed (e.g. a collective that timed out waiting for this
+    # one) first prints where each of its Python threads was: the test's output then names where a late process stood.
+    # (--save_on_signal replaces this with its own handler.)
+    faulthandler.register(signal.SIGTERM, chain=True)
+    script, *args = job["argv"]
+    sys.argv = [script, *launcher_args, *args]
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv) -> int:
+    *launcher_args, manifest = argv
+    manifest = json.loads(Path(manifest).read_text())
+    rank = os.environ.get("RANK", "0")
+    for module in manifest["preload"]:
+        importlib.import_module(module)
+    assert not set(manifest["not_preloaded"]) & set(sys.modules), "preloaded: a job would not start as a fresh one does"
+    # Out of the garbage collector's way: else every forked child walks all of torch's and Accelerate's objects in its
+    # full collections (at its exit at least), about 1 s of CPU each; what a child creates is collected as before.
+    gc.freeze()
+    for job in manifest["jobs"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            # No try/finally around this: the child's exception or SystemExit ends it as it would end a script.
+            run_job(job, rank, launcher_args)
+            return 0
+        status = wait_for(pid, job.get("timeout", JOB_TIMEOUT))
+        Path(f"{job['log']}.rank{rank}.exit").write_text("timeout" if status is None else str(status))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
