@@ -30,7 +30,9 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +47,10 @@ def launch_jobs(jobs: dict, launcher: list, folder, env=None, cwd=None, preload=
     """Run `jobs` {NAME: [SCRIPT, *ARGS], or a dict with "argv" and the settings above} in one launch of this file by
     `launcher` (e.g. helpers.launcher_args(2), or [sys.executable] for one process), each job's files at FOLDER/NAME;
     `env`: the launch's variables. `preload`: the modules imported before the forks; `not_preloaded`: those it must
-    leave out (asserted). Returns the launch as a finished process (its launcher's output); read the jobs with
-    finished_job or read_job."""
-    from helpers import REPO, free_consecutive_ports, run  # the test process's; launched processes do not import them
+    leave out (asserted). Started as tests/helpers.run starts a command (tests/exit_check on PYTHONPATH), but in a
+    session of its own, so that a launch still going when every job's time is up is killed with all its processes.
+    Returns the launch as a finished process (the launcher's own output); read the jobs with finished_job/read_job."""
+    from helpers import REPO, exit_check_env, free_consecutive_ports  # the test process's, not a launched one's
 
     folder = Path(folder)
     jobs = {name: job if isinstance(job, dict) else {"argv": job} for name, job in jobs.items()}
@@ -57,9 +60,18 @@ def launch_jobs(jobs: dict, launcher: list, folder, env=None, cwd=None, preload=
         {**job, "argv": list(map(str, job["argv"])), "log": str(folder / name), "port": first_port + index,
          **({"cwd": str(job["cwd"])} if "cwd" in job else {}), "path": list(map(str, job.get("path", ())))}
         for index, (name, job) in enumerate(jobs.items())]}))
+    cmd = [*map(str, launcher), __file__, str(manifest)]
     # each job's limit, and its launcher's start
     timeout = sum(job.get("timeout", JOB_TIMEOUT) for job in jobs.values()) + 120
-    return run([*launcher, Path(__file__), manifest], check=False, timeout=timeout, env=env, cwd=cwd or REPO)
+    with tempfile.TemporaryDirectory(prefix="exit_check_") as launch_exit_check:  # each job has its own
+        launch = subprocess.Popen(cmd, cwd=cwd or REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  errors="replace", env=exit_check_env(launch_exit_check, env), start_new_session=True)
+        try:
+            stdout, stderr = launch.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(launch.pid, signal.SIGKILL)  # the launcher and its processes
+            stdout, stderr = launch.communicate()
+    return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
 
 
 @dataclass
@@ -100,12 +112,13 @@ def read_job(log, num_processes: int = 1) -> Job:
 def finished_job(log, num_processes: int = 1, fails: bool = False) -> Job:
     """Job LOG, asserting that every rank ended (none killed at its timeout) with the same exit status, 0 unless it
     `fails`, and that no process of a job that succeeded left a gloo thread alive at its exit."""
+    from helpers import threads_left_message  # the test process's, not a launched one's
+
     job = read_job(log, num_processes)
     statuses = job.statuses
     assert None not in statuses and len(set(statuses)) == 1 and (statuses[0] != 0) == fails, (
         f"job {job.name} exited {statuses}\n{job.output[-6000:]}")
-    assert fails or not job.threads_left, f"job {job.name}: {''.join(job.threads_left)}release the DDP model before " \
-                                          "end_training (docs/ending_a_run_cleanly.md)"
+    assert fails or not job.threads_left, f"job {job.name}: {threads_left_message(job.threads_left)}"
     return job
 
 
