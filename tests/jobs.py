@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 # What the scripts import that costs seconds: imported once per launched process, before any fork.
@@ -74,24 +73,15 @@ def launch_jobs(jobs: dict, launcher: list, folder, env=None, cwd=None, preload=
     return subprocess.CompletedProcess(cmd, launch.returncode, stdout, stderr)
 
 
-@dataclass
-class Job:
-    """What a job's processes left, rank 0 first: exit statuses (None: none written, the job killed at its timeout
-    or never started), outputs, and the exit check's reports of gloo threads left alive."""
-    name: str
-    statuses: list
-    outputs: list
-    threads_left: list
+class Job(subprocess.CompletedProcess):
+    """A finished job as a process whose stderr went to its stdout: every rank's output, rank 0's first, in .stdout;
+    its returncode 0 where every rank exited 0, else the first other status. Per rank, rank 0 first: .statuses (None:
+    none written, the job killed at its timeout or never started) and .outputs; .threads_left: the exit check's
+    reports of gloo threads alive at a process's exit."""
 
-    @property
-    def output(self) -> str:
-        """Every rank's stdout and stderr, rank 0's first."""
-        return "".join(self.outputs)
-
-    @property
-    def returncode(self):
-        """0 where every process exited 0, else the first other status."""
-        return next((status for status in self.statuses if status != 0), 0)
+    def __init__(self, name: str, statuses: list, outputs: list, threads_left: list):
+        super().__init__(name, next((status for status in statuses if status != 0), 0), "".join(outputs), "")
+        self.name, self.statuses, self.outputs, self.threads_left = name, statuses, outputs, threads_left
 
 
 def read_job(log, num_processes: int = 1) -> Job:
@@ -117,7 +107,7 @@ def finished_job(log, num_processes: int = 1, fails: bool = False) -> Job:
     job = read_job(log, num_processes)
     statuses = job.statuses
     assert None not in statuses and len(set(statuses)) == 1 and (statuses[0] != 0) == fails, (
-        f"job {job.name} exited {statuses}\n{job.output[-6000:]}")
+        f"job {job.name} exited {statuses}\n{job.stdout[-6000:]}")
     assert fails or not job.threads_left, f"job {job.name}: {threads_left_message(job.threads_left)}"
     return job
 

@@ -30,10 +30,10 @@ def test_each_job_runs_as_its_script_would_and_leaves_its_own_files(tmp_path):
 
     passed = finished_job(tmp_path / "passes")
     assert passed.returncode == 0 and passed.statuses == [0] and passed.threads_left == []
-    assert f"argv ['0'] cwd {tmp_path / 'standins'} port " in passed.output
-    assert "set yes unset None imports the stand-in" in passed.output
+    assert f"argv ['0'] cwd {tmp_path / 'standins'} port " in passed.stdout
+    assert "set yes unset None imports the stand-in" in passed.stdout
     failed = finished_job(tmp_path / "fails", fails=True)
-    assert failed.returncode == 3 and "port None" in failed.output  # own_group False: the launcher's port, none here
+    assert failed.returncode == 3 and "port None" in failed.stdout  # own_group False: the launcher's port, none here
     assert read_job(tmp_path / "hangs").statuses == [None]  # killed at its timeout
     with pytest.raises(AssertionError, match=r"job hangs exited \[None\]"):
         finished_job(tmp_path / "hangs")
@@ -47,7 +47,7 @@ def test_read_job_reads_every_rank_of_a_forked_job(tmp_path):
         (tmp_path / f"job.rank{rank}.out").write_text(f"rank {rank}\n")
     job = read_job(tmp_path / "job", 4)
     assert (job.statuses, job.outputs) == ([0, 1, None, None], ["rank 0\n", "rank 1\n", "rank 2\n", ""])
-    assert (job.returncode, job.output, job.threads_left) == (1, "rank 0\nrank 1\nrank 2\n", [])
+    assert (job.returncode, job.stdout, job.threads_left) == (1, "rank 0\nrank 1\nrank 2\n", [])
 
 
 def test_finished_job_asserts_every_rank_ended_as_expected(tmp_path):
@@ -67,7 +67,7 @@ def test_finished_job_asserts_every_rank_ended_as_expected(tmp_path):
         return folder / "job"
 
     proc = finished_job(job(0, 0), 2)
-    assert (proc.returncode, proc.output) == (0, "rank 0\nrank 1\n")
+    assert (proc.returncode, proc.stdout) == (0, "rank 0\nrank 1\n")
     assert finished_job(job(1, 1), 2, fails=True).returncode == 1
     for statuses, fails in (((0, 1), False), ((1, 0), True), ((0, None), False), ((1, None), True), ((1, 1), False),
                             ((0, 0), True), ((None, None), True)):
