@@ -14,7 +14,9 @@ Every job's files start with its LOG path (FOLDER/NAME), one set per rank R:
     LOG.threads_left gloo worker threads alive at a process's exit (tests/exit_check), one file each
     LOG.rankR        with "record_samples": the training samples it fetched (tests/sample_recording.py)
 `read_job` reads them back, rank 0 first; `finished_job` also asserts how the job ended. The launch itself exits 0
-whatever its jobs did: a test reads its own job, so one broken run fails only the tests about it.
+whatever its jobs did: a test reads its own job, so one broken run fails only the tests about it. (A test of the
+launcher itself, where the training process must be the launched one, runs `jobs.py --alone LOG SCRIPT ARGS`: no
+fork; its exit status goes to LOG.rankR.exit all the same.)
 
 A job's own settings: "env", variables set for it only (torchrun's for ddp_mnist.py); "unset_env", prefixes of the
 launch's variables it runs without (an FSDP launch's ACCELERATE_USE_FSDP and FSDP_*: a DDP job); "cwd"; "path", folders
@@ -153,7 +155,27 @@ def run_job(job: dict, rank: str, launcher_args: list) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
+def run_alone(log, script: str, args: list) -> None:
+    """`jobs.py --alone LOG SCRIPT ARGS`: SCRIPT ARGS in this process, not forked, its output where the launcher sends
+    it, for a test of the launcher itself (a restart, a signal); its exit status, as it leaves the script, into
+    LOG.rankR.exit, where read_job reads it."""
+    faulthandler.register(signal.SIGTERM, chain=True)  # as a job's
+    sys.argv = [script, *args]
+    status = 1  # an exception other than SystemExit
+    try:
+        runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as exit_:  # the scripts end with sys.exit(status)
+        status = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        raise
+    finally:
+        Path(f"{log}.rank{os.environ.get('RANK', '0')}.exit").write_text(str(status))
+
+
 def main(argv) -> int:
+    if argv[0] == "--alone":
+        run_alone(*argv[1:3], argv[3:])
+        return 0
     *launcher_args, manifest = argv
     manifest = json.loads(Path(manifest).read_text())
     rank = os.environ.get("RANK", "0")
