@@ -18,7 +18,8 @@ whatever its jobs did: a test reads its own job, so one broken run fails only th
 launcher itself, where the training process must be the launched one, runs `jobs.py --alone LOG SCRIPT ARGS`: no
 fork; its exit status goes to LOG.rankR.exit all the same.)
 
-A job's own settings: "env", variables set for it only (torchrun's for ddp_mnist.py); "unset_env", prefixes of the
+A job's own settings: "env", variables set for it only (torchrun's for ddp_mnist.py; an EXIT_CHECK_DIR of its own
+where a test reads what is expected to be left, instead of LOG.threads_left); "unset_env", prefixes of the
 launch's variables it runs without (an FSDP launch's ACCELERATE_USE_FSDP and FSDP_*: a DDP job); "cwd"; "path", folders
 put first on sys.path (Horovod's and apex's stand-ins); "own_group" (default true): its own MASTER_PORT, so that the
 children of every rank form a group of their own, false: the launcher's rendezvous store and port, as a script
@@ -130,7 +131,7 @@ def wait_for(pid: int, timeout: float):
 def run_job(job: dict, rank: str, launcher_args: list) -> None:
     """In the forked child: become `python SCRIPT LAUNCHER_ARGS ARGS` with the job's settings, and run it."""
     log = job["log"]
-    os.environ.update({**job.get("env", {}), "EXIT_CHECK_DIR": f"{log}.threads_left"})
+    os.environ.update({"EXIT_CHECK_DIR": f"{log}.threads_left", **job.get("env", {})})
     os.makedirs(os.environ["EXIT_CHECK_DIR"], exist_ok=True)
     if job.get("own_group", True):  # rank 0's child serves its group's store
         os.environ.update({"MASTER_PORT": str(job["port"]), "TORCHELASTIC_USE_AGENT_STORE": "False"})

@@ -6,8 +6,9 @@ an epoch ends with the uninterrupted run's weights, and evaluation stays exact.
 Images: 16 px, each unique (random noise), so that the CRC-32 of its file, which tests/sample_recording.py logs, names
 it.
 
-Every run here is one job of the three launches in `runs` (tests/jobs.py): the 2-process runs in one launch, the 3-process run in another, then the 1-process ones (one refuses to resume the 2-process run's
-checkpoint), each process importing torch and Accelerate once.
+Every run here is one job of the three launches in `runs` (tests/jobs.py): the 2-process runs in one launch, the
+3-process run in another, then the 1-process ones (one refuses to resume the 2-process run's checkpoint), each process
+importing torch and Accelerate once.
 """
 
 import csv

@@ -3,8 +3,9 @@ early stopping with the best model kept, the profiler, trackers beyond TensorBoa
 size that backs off on out-of-memory.
 
 Processes: the two 2-process runs, the early-stopped MNIST run and the classifier's --auto_find_batch_size, are the
-jobs of one launch (`two_process_runs`: tests/jobs.py's launch_jobs, each launched process importing torch and Accelerate once, then forking one child per job); the 1-process --eval_only
-of best/ runs alone (run_alone: no launcher around it)."""
+jobs of one launch (`two_process_runs`: tests/jobs.py's launch_jobs, each launched process importing torch and
+Accelerate once, then forking one child per job); the 1-process --eval_only of best/ runs alone (run_alone: no
+launcher around it)."""
 
 import importlib.util
 import json

@@ -16,7 +16,7 @@ before's weights and reports the exact metric over every test image once; each r
 The Fabric pair's launches also run tests/silent_differences.py (torchmetrics on uneven shards, a per-step warm-up)
 and the converted script with the Net's dropouts, which makes two processes train otherwise than one.
 
-Every run of the three pairs is a job of one of two launches of tests/sample_recorder.py --jobs (conversion_runs):
+Every run of the three pairs is a job of one of two launches of tests/jobs.py (conversion_runs):
 each launched process imports torch and Accelerate once and forks a child per run, which runs the script as
 `python SCRIPT ARGS` would (tests/baseline_job.py starts a before as its launcher would)."""
 
@@ -30,9 +30,9 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k, run
+from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import job_outcome, jobs_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -62,7 +62,6 @@ EVALUATION = re.compile(r"^ \* Acc@1 (\S+) Loss (\S+) \((\d+) images\)$", flags=
 LEARNING_RATE = re.compile(r"^Epoch: \[\d+\] lr (\S+)$", flags=re.M)
 
 
-RECORDER = REPO / "tests" / "sample_recorder.py"
 BASELINE_JOB = REPO / "tests" / "baseline_job.py"
 SILENT_DIFFERENCES = REPO / "tests" / "silent_differences.py"
 
@@ -78,40 +77,6 @@ def after_args(out, *args) -> list:
     """The converted script: one process as a user may run it (python: an Accelerator needs no launcher), two under
     accelerate launch."""
     return [AFTER, "--cpu", *TRAIN, "--checkpoint-dir", out, *args]
-
-
-def launch_jobs(jobs: dict, num_processes: int, folder) -> dict:
-    """One launch of tests/sample_recorder.py --jobs in `folder` (its working directory): each job {name: SCRIPT ARGS}
-    in turn, in a child forked from each launched process, its output in folder/NAME.rank{R}.out (a job given as
-    {"argv": SCRIPT ARGS, "env": {...}}: with those variables set, as its launcher sets them). One process: plain
-    python; two: accelerate launch. Returns {name: (folder, num_processes, the launch)} for printed_by()."""
-    folder.mkdir()
-    manifest = jobs_file(folder / "jobs.json", [{**(job if isinstance(job, dict) else {"argv": job}),
-                                                 "sample_log": folder / name, "timeout": 600}
-                                                for name, job in jobs.items()])
-    launcher = launcher_args(num_processes) if num_processes > 1 else [sys.executable]
-    # each run was a process of its own, with helpers.run's limit of 600 s
-    launch = run([*launcher, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-                 env=ONE_THREAD, cwd=folder)
-    return {name: (folder, num_processes, launch) for name in jobs}
-
-
-def printed_by(conversion_runs, name) -> str:
-    """What every process of job NAME printed (stdout and stderr), rank after rank; every one of them exited 0."""
-    return "".join(printed_by_each_rank(conversion_runs, name))
-
-
-def printed_by_each_rank(conversion_runs, name) -> list:
-    """What each process of job NAME printed; every one of them exited 0."""
-    folder, num_processes, launch = conversion_runs[name]
-    statuses, texts = job_outcome(folder / name, num_processes)
-    assert statuses == [0] * num_processes, \
-        f"{name}:\n" + "\n".join(text[-6000:] for text in texts) + f"\nthe launch: {launch.stderr[-3000:]}"
-    return texts
-
-
-def printed_by_rank(conversion_runs, name, rank) -> str:
-    return printed_by_each_rank(conversion_runs, name)[rank]
 
 
 def printed(stdout) -> dict:
@@ -146,14 +111,15 @@ def assert_equal_state(a, b):
 
 @pytest.fixture(scope="module")
 def conversion_runs(tmp_path_factory):
-    """Every run of the three pairs, as jobs of two launches (launch_jobs): the one-process runs, and the DDP
+    """Every run of the three pairs, as jobs of two launches (tests/jobs.py): the one-process runs, and the DDP
     before's two-process one (mp.spawn starts its processes), as jobs of one python process; the other two-process
-    runs as jobs of one accelerate launch of 2 processes. A run that resumes follows the one it resumes."""
+    runs as jobs of one accelerate launch of 2 processes. A run that resumes follows the one it resumes. Returns the
+    folder and {job name: (its LOG, its processes)}: finished_job(*jobs[name])."""
     out = tmp_path_factory.mktemp("conversion")
     apex_one_batch = [*APEX_ARGS, "-b", "512", "--epochs", "2", "-p", "1"]
     # apex's scripts write into their working directory (the launch's): checkpoint.pth.tar and model_best.pth.tar
     # the before, checkpoint/ and model_best/ the after
-    one_process = launch_jobs({
+    one_process = {
         "before_1": before_args(1, out / "before_1", "--epochs", "2"),
         "after_1": after_args(out / "after_1", "--epochs", "2"),
         "before_2": before_args(2, out / "before_2", "--epochs", "2"),
@@ -169,8 +135,8 @@ def conversion_runs(tmp_path_factory):
         "apex_before_1": [BASELINE_JOB, "--standins", APEX_BEFORE, *apex_one_batch],
         "apex_after_1": [APEX_AFTER, *apex_one_batch],
         **fabric_jobs(out, 1),
-    }, 1, out / "one_process")
-    two_processes = launch_jobs({
+    }
+    two_processes = {
         "after_2": after_args(out / "after_2", "--epochs", "2"),
         # the befores get torchrun's environment (accelerate launch --multi_gpu runs torch.distributed.run's run());
         # --no-cuda: the Horovod pair's spelling of --cpu (in HOROVOD_ARGS)
@@ -183,8 +149,15 @@ def conversion_runs(tmp_path_factory):
         "apex_after_2_first": [APEX_AFTER, "--cpu", *APEX_ARGS, "-b", "32", "--epochs", "1"],
         "apex_after_2": [APEX_AFTER, "--cpu", *APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"],
         **fabric_jobs(out, 2),
-    }, 2, out / "two_processes")
-    return out, {**one_process, **two_processes}
+    }
+    # each job in its launch's folder, also its working directory; each run was a process of its own
+    jobs = {}
+    for launched, launcher, num_processes, folder in ((one_process, [sys.executable], 1, out / "one_process"),
+                                                      (two_processes, launcher_args(2), 2, out / "two_processes")):
+        folder.mkdir()
+        launch_jobs(launched, launcher, folder, env=ONE_THREAD, cwd=folder)
+        jobs.update({name: (folder / name, num_processes) for name in launched})
+    return out, jobs
 
 
 @pytest.fixture(scope="module")
@@ -194,10 +167,11 @@ def runs(conversion_runs):
     out, jobs = conversion_runs
     results = {}
     for name, processes in (("before", 1), ("after", 1), ("before", 2), ("after", 2)):
-        results[name, processes] = out / f"{name}_{processes}", printed(printed_by(jobs, f"{name}_{processes}"))
+        results[name, processes] = (out / f"{name}_{processes}",
+                                    printed(finished_job(*jobs[f"{name}_{processes}"]).stdout))
     for name in ("before", "after"):
-        first_epoch = printed(printed_by(jobs, f"{name}_resumed_first"))
-        second_epoch = printed(printed_by(jobs, f"{name}_resumed"))
+        first_epoch = printed(finished_job(*jobs[f"{name}_resumed_first"]).stdout)
+        second_epoch = printed(finished_job(*jobs[f"{name}_resumed"]).stdout)
         results[name, "resumed"] = out / f"{name}_resumed", {key: first_epoch[key] + second_epoch[key]
                                                              for key in first_epoch}
     return results
@@ -323,7 +297,7 @@ def horovod_runs(conversion_runs):
     """Each script on 1 process and on 2 (the before on the Horovod stand-in): printed output and saved weights of
     each."""
     out, jobs = conversion_runs
-    return {(name, processes): (printed_by(jobs, f"horovod_{name}_{processes}"),
+    return {(name, processes): (finished_job(*jobs[f"horovod_{name}_{processes}"]).stdout,
                                 torch.load(out / f"horovod_{name}_{processes}.pt", weights_only=True))
             for name in ("before", "after") for processes in (1, 2)}
 
@@ -375,10 +349,12 @@ def apex_runs(conversion_runs):
     out, jobs = conversion_runs
     folders = {"before_1": out / "one_process", "after_1": out / "one_process",
                "before_2": out / "two_processes", "after_2": out / "two_processes"}
-    results = {("before", 1): printed_by(jobs, "apex_before_1"), ("after", 1): printed_by(jobs, "apex_after_1"),
-               ("after", 2): printed_by(jobs, "apex_after_2_first") + printed_by(jobs, "apex_after_2")}
+    results = {("before", 1): finished_job(*jobs["apex_before_1"]).stdout,
+               ("after", 1): finished_job(*jobs["apex_after_1"]).stdout,
+               ("after", 2): (finished_job(*jobs["apex_after_2_first"]).stdout
+                              + finished_job(*jobs["apex_after_2"]).stdout)}
     for rank in (0, 1):
-        results["before", 2, rank] = printed_by_rank(jobs, "apex_before_2", rank)
+        results["before", 2, rank] = finished_job(*jobs["apex_before_2"]).outputs[rank]
     return folders, results
 
 
@@ -472,7 +448,7 @@ def fabric_jobs(out, num_processes) -> dict:
 def mean_losses(conversion_runs, name, num_processes) -> list:
     """((epoch, the step's first sample in its process), the mean of every process's printed loss) for each step of
     job NAME: the loss of the global batch, each process's own batch being as large."""
-    ranks = [FABRIC_TRAIN.findall(printed_by_rank(conversion_runs, name, rank)) for rank in range(num_processes)]
+    ranks = [FABRIC_TRAIN.findall(finished_job(*conversion_runs[name]).outputs[rank]) for rank in range(num_processes)]
     steps = []
     for same_step in zip(*ranks, strict=True):
         (epoch, seen, _), losses = same_step[0], [float(loss) for *_, loss in same_step]
@@ -496,7 +472,7 @@ def per_image(script, weights, samples):
 def fabric_runs(conversion_runs):
     """{(name, processes): (its printed output, rank after rank; its saved weights)} for the Fabric jobs."""
     out, jobs = conversion_runs
-    return {(name, processes): (printed_by(jobs, f"fabric_{name}_{processes}"),
+    return {(name, processes): (finished_job(*jobs[f"fabric_{name}_{processes}"]).stdout,
                                 torch.load(out / f"fabric_{name}_{processes}.pt", weights_only=True))
             for name in ("before", "after", "dropout") for processes in (1, 2)}
 
@@ -542,7 +518,7 @@ def test_fabric_two_processes_train_as_the_before_and_report_the_exact_metric(co
     assert float(loss) == pytest.approx(losses.double().mean().item(), abs=1e-6)
     correct, losses = per_image(FABRIC_BEFORE, before_weights, 501)
     for rank in (0, 1):  # every process prints the synced accuracy and the all_gather'd loss
-        loss, accuracy, _ = FABRIC_TEST.findall(printed_by_rank(jobs, "fabric_before_2", rank))[-1]
+        loss, accuracy, _ = FABRIC_TEST.findall(finished_job(*jobs["fabric_before_2"]).outputs[rank])[-1]
         assert float(accuracy) == pytest.approx(100 * (correct.sum() + correct[0]).item() / 502, abs=1e-4)
         assert float(loss) == pytest.approx((losses.double().sum() + losses[0]).item() / 501, abs=1e-6)
     assert correct.sum().item() / 501 != (correct.sum() + correct[0]).item() / 502  # the repeated image shows
@@ -574,7 +550,7 @@ def silent_differences(conversion_runs):
     out, jobs = conversion_runs
     numbers = {}
     for processes in (1, 2):
-        printed_by(jobs, f"silent_differences_{processes}")  # every process exited 0
+        finished_job(*jobs[f"silent_differences_{processes}"])  # every process exited 0
         numbers[processes] = [json.loads((out / f"silent_differences_{processes}.json.rank{rank}").read_text())
                               for rank in range(processes)]
     return numbers
