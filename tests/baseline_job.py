@@ -1,4 +1,4 @@
-"""Run a "before" script of tests/test_whole_script_conversion.py as one job of tests/sample_recorder.py --jobs, the
+"""Run a "before" script of tests/test_whole_script_conversion.py as one job of tests/jobs.py, the
 way its own launcher would start it:
 
     baseline_job.py [--standins] [--local-rank] SCRIPT ARGS

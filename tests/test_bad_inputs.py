@@ -232,7 +232,7 @@ def test_webdataset_shards_mixing_jpg_and_png_are_one_line(tmp_path):
     write_shards(tmp_path / "apart", apart)
     # the script alone (test_a_corrupt_image_names_its_file launches a worker's error on two processes)
     proc = run_alone(["--streaming", "--dataset", tmp_path / "apart", "--label_column", "cls", "--max_steps", "8",
-                      "--output_dir", tmp_path / "out", "--model", "tests.sample_recorder:tiny_cnn", "--image_size",
+                      "--output_dir", tmp_path / "out", "--model", "tests.tiny_model:tiny_cnn", "--image_size",
                       "16", "--batch_size", "2", "--optimizer", "adamw", "--num_workers", "1"], script=CLASSIFIER,
                      check=False)
     assert_clean_user_error(proc, "a sample has no image in the image column", "under one extension")

@@ -1,8 +1,8 @@
 """The baselines (scripts/baselines/) train what train_mnist.py trains, as well, and exactly.
 
 The one-process runs (plain_mnist.py on the real digits, ddp_mnist.py and train_mnist.py on generated ones,
-DataParallel's refusal) are jobs of one process (one_process_runs: tests/sample_recorder.py --jobs, torch and
-Accelerate imported once, a child forked per run); raw DDP on 2 processes is torchrun's launch, as users type it."""
+DataParallel's refusal) are jobs of one process (one_process_runs: tests/jobs.py, torch and Accelerate imported
+once, a child forked per run); raw DDP on 2 processes is torchrun's launch, as users type it."""
 
 import math
 import sys
@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import (MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, load_script, requires_mnist_10k, results,
-                     run)
+from helpers import MNIST_10K, REPO, TRAIN_MNIST, assert_clean_user_error, load_script, requires_mnist_10k, results, run
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import finished_job, jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -21,7 +20,6 @@ from utils.models import ConvNet
 
 BASELINES = REPO / "scripts" / "baselines"
 PLAIN, DDP, DATAPARALLEL = (BASELINES / f"{name}_mnist.py" for name in ("plain", "ddp", "dataparallel"))
-RECORDER = REPO / "tests" / "sample_recorder.py"
 
 
 def torchrun(script, args, nproc: int, **kwargs):
@@ -48,7 +46,7 @@ REFUSES_DATAPARALLEL = torch.cuda.device_count() < 2
 
 @pytest.fixture(scope="module")
 def one_process_runs(synthetic_mnist, tmp_path_factory):
-    """The one-process runs, each a child forked from one `python tests/sample_recorder.py --jobs`, with the one thread
+    """The one-process runs, each a child forked from one `python tests/jobs.py`, with the one thread
     accelerate launch gives a CPU process (float sums depend on how many threads share them; quicker on a busy
     machine too), in turn: DataParallel's refusal (dataparallel), raw DDP and train_mnist.py on the generated digits
     (ddp/, accelerate/) and, where the real digits are, plain_mnist.py's full run (plain/). Returns its folder; each
@@ -61,18 +59,15 @@ def one_process_runs(synthetic_mnist, tmp_path_factory):
     # of it are in test_train_mnist.py).
     torchrun_env = {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                     "MASTER_ADDR": "127.0.0.1"}
-    jobs = {"ddp": ([DDP, "--cpu", *args, "--output_dir", root / "ddp"], torchrun_env),
-            "accelerate": ([TRAIN_MNIST, "--cpu", *args, "--output_dir", root / "accelerate"], {})}
+    jobs = {"ddp": {"argv": [DDP, "--cpu", *args, "--output_dir", root / "ddp"], "env": torchrun_env},
+            "accelerate": [TRAIN_MNIST, "--cpu", *args, "--output_dir", root / "accelerate"]}
     if REFUSES_DATAPARALLEL:
         empty = root / "empty"
         empty.mkdir()
-        jobs["dataparallel"] = ([DATAPARALLEL, "--data_dir", empty, "--output_dir", empty / "out"], {})
+        jobs["dataparallel"] = [DATAPARALLEL, "--data_dir", empty, "--output_dir", empty / "out"]
     if not requires_mnist_10k.args[0]:  # the skip's condition: the real digits are absent
-        jobs["plain"] = ([PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", root / "plain"], {})
-    manifest = jobs_file(root / "jobs.json", [{"argv": argv, "env": env, "sample_log": root / name, "timeout": 600,
-                                               "fails": name == "dataparallel"} for name, (argv, env) in jobs.items()])
-    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-        env={"OMP_NUM_THREADS": "1"})
+        jobs["plain"] = [PLAIN, "--cpu", "--data_dir", MNIST_10K, "--output_dir", root / "plain"]
+    launch_jobs(jobs, [sys.executable], root, env={"OMP_NUM_THREADS": "1"})
     return root
 
 

@@ -4,8 +4,8 @@ makes. Proven against a DDP run of the same seed (loss per step, evaluation), wi
 the same process count (the same final weights) and on another one (every sample trained once, by id), and the whole
 weights out under the plain model's names; an FSDP run's ONNX export, and a damaged DCP shard found by the manifest.
 Three launches in all (`launched`), one after the other as each resumes the one before: every run a forked job of
-tests/sample_recorder.py --jobs under the FSDP config (the DDP run too, its FSDP settings unset), on 2, 3, then 2
-processes; scripts/predict.py's two runs in the test process."""
+tests/jobs.py under the FSDP config (the DDP run too, its FSDP settings unset), on 2, 3, then 2 processes;
+scripts/predict.py's two runs in the test process. Each test reads the jobs it is about (finished_job)."""
 
 import ast
 import contextlib
@@ -24,10 +24,10 @@ import torch
 import torchvision
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import merge_fsdp_weights
-from helpers import REPO, launcher_args, load_script, make_synthetic_mnist, results, run, skip_or_fail_in_ci
+from helpers import REPO, launcher_args, load_script, make_synthetic_mnist, results, skip_or_fail_in_ci
 from image_data import make_split_image_folder
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import finished_job, jobs_file
 
 from utils.data.mnist import load_mnist_idx, normalise_mnist
 from utils.errors import UserError
@@ -36,7 +36,6 @@ from utils.run.checkpoints import check_checkpoint
 from utils.run.resume import resolve_checkpoint
 
 FSDP_CPU = REPO / "accelerate_configs" / "fsdp_cpu.yaml"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
@@ -52,24 +51,44 @@ LOGGED_LOSS = re.compile(r"step (\d+): \{'loss': ([-+.e0-9]+)")
 LOGGED_EPOCH = re.compile(r"INFO \[RANK 0\] epoch (\d+): (\{.*\})$", re.MULTILINE)
 
 
-def launch_jobs(jobs: dict, num_processes: int, root, without_fsdp=()) -> dict:
-    """One `accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml` on N processes of
-    tests/sample_recorder.py --jobs: each launched process imports torch and Accelerate once, then forks one child per
-    job {NAME: [SCRIPT, *ARGS]} in turn, which runs `SCRIPT --cpu ARGS` with the launch's environment (the FSDP
-    settings the launcher exports) and ROOT/samples_NAME as its $SAMPLE_LOG; a job may resume from the checkpoints of
-    the ones before it. Those in `without_fsdp` run without ACCELERATE_USE_FSDP and FSDP_*, all that a DDP launch's
-    environment lacks beside this one's: DDP. Returns {NAME: the job as a finished process, every rank's output in
-    .stderr, rank 0's first}; fails unless every job and the launch exited 0 (with helpers.run's exit check: no gloo
-    thread alive at the exit of any process, the forked ones too). A launch of its own per run costs ~10 CPU-s more."""
-    manifest = jobs_file(root / f"jobs_{'_'.join(jobs)}.json", [
-        {"argv": [script, "--cpu", *args], "sample_log": root / f"samples_{name}", "timeout": 600,
-         "unset_env": ["ACCELERATE_USE_FSDP", "FSDP_"] if name in without_fsdp else []}
-        for name, (script, *args) in jobs.items()])
-    launch = run([*launcher_args(config_file=FSDP_CPU), "--num_processes", num_processes, RECORDER, "--jobs", manifest],
-                 check=False, timeout=600 * len(jobs))
-    finished = {name: finished_job(root / f"samples_{name}", num_processes) for name in jobs}
-    assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
-    return finished
+def fsdp_launch(num_processes: int) -> list:
+    """`accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml` on N processes: its jobs run with the FSDP
+    settings the launcher exports."""
+    return [*launcher_args(config_file=FSDP_CPU), "--num_processes", num_processes]
+
+
+def as_ddp(argv) -> dict:
+    """A job of an FSDP launch without ACCELERATE_USE_FSDP and FSDP_*, all that a DDP launch's environment lacks beside
+    this one's: DDP."""
+    return {"argv": argv, "unset_env": ["ACCELERATE_USE_FSDP", "FSDP_"]}
+
+
+def recorded(argv) -> dict:
+    """A job whose training samples are logged beside it (fetched)."""
+    return {"argv": argv, "record_samples": True}
+
+
+def copy_checkpoint(source, destination) -> bool:
+    """Copy a checkpoint where its run saved one: a run that failed fails its tests, and those of the runs that resume
+    it, not the fixture."""
+    if source.is_dir():
+        shutil.copytree(source, destination)
+    return source.is_dir()
+
+
+def outcome(function, *args):
+    """function(*args), or the exception it raised: for the test that reads it to raise, not every test."""
+    try:
+        return function(*args)
+    except Exception as failure:  # noqa: BLE001 - raised again by the test about it
+        return failure
+
+
+def result(outcome_):
+    """What outcome() returned; its exception raised here."""
+    if isinstance(outcome_, Exception):
+        raise outcome_
+    return outcome_
 
 
 def predict_here(*argv) -> subprocess.CompletedProcess:
@@ -97,12 +116,12 @@ def flip_a_byte(path) -> None:
 
 
 def logged_losses(proc) -> dict:
-    return {int(step): float(loss) for step, loss in LOGGED_LOSS.findall(proc.stderr)}
+    return {int(step): float(loss) for step, loss in LOGGED_LOSS.findall(proc.stdout)}
 
 
 def logged_epochs(proc) -> dict:
     """{epoch: the metrics rank 0 logged at its end}."""
-    return {int(epoch): ast.literal_eval(metrics) for epoch, metrics in LOGGED_EPOCH.findall(proc.stderr)}
+    return {int(epoch): ast.literal_eval(metrics) for epoch, metrics in LOGGED_EPOCH.findall(proc.stdout)}
 
 
 def fetched(log, rank) -> list:
@@ -134,49 +153,54 @@ EXPORT_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every run of this module, in three FSDP launches of forked jobs (`launch_jobs`), each after the one whose
+    """Every run of this module, in three FSDP launches of forked jobs (`fsdp_launch`), each after the one whose
     checkpoints it resumes (2 processes, then 3, then 2 again: one process count per launch):
     1. on 2 processes: MNIST under FSDP (a checkpoint every 2 steps), and MNIST under DDP (the FSDP settings unset);
     2. on 3: the image classifier under FSDP (checkpoint step_2); MNIST under FSDP resumed from the FSDP run's step_2
        (mid-epoch 0) with a damaged copy of its step_4 beside it ('latest' must pass over it), itself saving step_4;
     3. on 2: MNIST under FSDP resumed from the FSDP run's step_4 (mid-epoch 1); the image classifier resumed from its
        step_2 on 2. Meanwhile, in this process (`predict_here`), scripts/predict.py on the classifier's 3-process
-       run, and its ONNX export of the MNIST FSDP run."""
+       run, and its ONNX export of the MNIST FSDP run. Returns the folder (job NAME: ROOT/NAME) and the outcomes of
+       those two (outcome())."""
     root = tmp_path_factory.mktemp("fsdp")
     data = make_synthetic_mnist(root / "data", num_train=N, num_test=203)
-    args = ["--data_dir", data, *map(str, MNIST)]
+    args = ["--cpu", "--data_dir", data, *map(str, MNIST)]
     images = make_split_image_folder(root / "images", train_per_class=9, val_per_class=5)
-    classifier = [*CLASSIFIER_ARGS, "--data_dir", images]
-    runs = launch_jobs({"fsdp": [TRAIN_MNIST, *args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"],
-                        "ddp": [TRAIN_MNIST, *args, "--output_dir", root / "ddp"]}, 2, root, without_fsdp=["ddp"])
+    classifier = ["--cpu", *CLASSIFIER_ARGS, "--data_dir", images]
+    launch_jobs({"fsdp": recorded([TRAIN_MNIST, *args, "--output_dir", root / "fsdp", "--checkpointing_steps", "2"]),
+                 "ddp": as_ddp([TRAIN_MNIST, *args, "--output_dir", root / "ddp"])}, fsdp_launch(2), root)
 
-    shutil.copytree(root / "fsdp" / "step_4", root / "resized" / "step_4")
-    flip_a_byte(root / "resized" / "step_4" / "pytorch_model_fsdp_0" / "__1_0.distcp")  # process 1's model shard
     resumes = {}
     for name, checkpoint, batch_size in (("resized", "step_2", "16"), ("resumed", "step_4", "24")):
-        shutil.copytree(root / "fsdp" / checkpoint, root / name / checkpoint)
+        copy_checkpoint(root / "fsdp" / checkpoint, root / name / checkpoint)
         resumes[name] = [TRAIN_MNIST, *args, "--output_dir", root / name, "--batch_size", batch_size,
                          "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest"]
-    runs.update(launch_jobs({"on3": [CLASSIFIER, *classifier, "--batch_size", "4", "--output_dir", root / "on3",
-                                     "--checkpointing_steps", "2"],
-                             "resized": resumes["resized"]}, 3, root))
+    if copy_checkpoint(root / "fsdp" / "step_4", root / "resized" / "step_4"):
+        flip_a_byte(root / "resized" / "step_4" / "pytorch_model_fsdp_0" / "__1_0.distcp")  # process 1's model shard
+    launch_jobs({"on3": [CLASSIFIER, *classifier, "--batch_size", "4", "--output_dir", root / "on3",
+                         "--checkpointing_steps", "2"],
+                 "resized": recorded(resumes["resized"])}, fsdp_launch(3), root)
 
-    shutil.copytree(root / "on3" / "step_2", root / "on2" / "step_2")
+    copy_checkpoint(root / "on3" / "step_2", root / "on2" / "step_2")
+    in_this_process = {}
     with ThreadPoolExecutor(1) as pool:  # the last launch, and meanwhile the predictions in this process
         last = pool.submit(launch_jobs, {"resumed": resumes["resumed"], "on2": [
             CLASSIFIER, *classifier, "--batch_size", "6", "--output_dir", root / "on2",
-            "--resume_from_checkpoint", "latest"]}, 2, root)
-        predict_here("--model_dir", root / "on3", "--data_dir", images, "--output_file", root / "predictions.csv",
-                     "--num_workers", "0")
+            "--resume_from_checkpoint", "latest"]}, fsdp_launch(2), root)
+        in_this_process["predictions"] = outcome(
+            predict_here, "--model_dir", root / "on3", "--data_dir", images, "--output_file", root / "predictions.csv",
+            "--num_workers", "0")
         if all(importlib.util.find_spec(name) for name in EXPORT_PACKAGES):  # else its test says what is missing
-            runs["export"] = predict_here("--model_dir", root / "fsdp", "--data_dir", data, "--export", "onnx",
-                                          "--export_file", root / "fsdp.onnx", "--batch_size", "16")
-        runs.update(last.result())
-    return root, runs
+            in_this_process["export"] = outcome(predict_here, "--model_dir", root / "fsdp", "--data_dir", data,
+                                                "--export", "onnx", "--export_file", root / "fsdp.onnx",
+                                                "--batch_size", "16")
+        last.result()
+    return root, in_this_process
 
 
 def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(launched):
-    root, runs = launched
+    root, _ = launched
+    runs = {name: finished_job(root / name, 2) for name in ("fsdp", "ddp")}
     fsdp, ddp = results(root / "fsdp"), results(root / "ddp")
     assert_sharded(fsdp, 2)
     assert ddp["sharded"] is False and ddp["parameter_bytes_per_process"] == [ddp["parameter_bytes"]] * 2
@@ -203,7 +227,7 @@ def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(launched):
     assert_dcp_checkpoint(root / "fsdp" / "step_2", 2)
     # docs/output_files.md: one line of ours per checkpoint, Accelerate's about its temporary folder hidden under FSDP
     # too (they were 6-8 per checkpoint); and no FutureWarning about torch's reduce_op at exit (4 a run)
-    log = runs["fsdp"].stdout + runs["fsdp"].stderr
+    log = runs["fsdp"].stdout
     assert log.count(f"Saved {root / 'fsdp' / 'step_2'}: ") == 1, log
     for hidden in (".tmp-", "Saving FSDP", "reduce_op"):
         assert hidden not in log, hidden
@@ -211,6 +235,8 @@ def test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp(launched):
 
 def test_mnist_fsdp_resumes_mid_epoch_to_the_same_weights(launched):
     root, _ = launched
+    finished_job(root / "fsdp", 2)
+    finished_job(root / "resumed", 2)
     r, uninterrupted = results(root / "resumed"), results(root / "fsdp")
     assert_sharded(r, 2)
     assert r["resumed_from"].endswith("step_4") and r["global_step"] == uninterrupted["global_step"] == 6
@@ -225,19 +251,21 @@ def test_mnist_fsdp_resumes_mid_epoch_to_the_same_weights(launched):
 def test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once(launched, tmp_path):
     """The shards of 2 processes resharded onto 3 (DCP on load); the ids the processes fetched, gathered: epoch 0 is
     the 2-process run's first 2 steps and the 3-process run's last one, every digit exactly once."""
-    root, runs = launched
+    root, _ = launched
+    finished_job(root / "fsdp", 2)
+    resized = finished_job(root / "resized", 3)
     r = results(root / "resized")
     assert_sharded(r, 3)
     assert r["resumed_from"].endswith("step_2") and r["global_batch_size"] == 48 and r["global_step"] == 6
     # the newer step_4 beside it had one byte of a model shard flipped: 'latest' passed over it, in one line
-    skipped = [line.split(" WARNING ", 1)[1] for line in runs["resized"].stderr.splitlines()
+    skipped = [line.split(" WARNING ", 1)[1] for line in resized.stdout.splitlines()
                if "skipping damaged checkpoint" in line]
     expected = ("--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (pytorch_model_fsdp_0/__1_0.distcp "
                 f"differs from its sha256 when saved); resuming from {root / 'resized' / 'step_2'}")
-    assert skipped == [expected], runs["resized"].stderr
+    assert skipped == [expected], resized.stdout
     assert r["samples_seen"] == 2 * N
-    before = [i for rank in range(2) for i in fetched(root / "samples_fsdp", rank)[:2 * 24]]
-    after = [fetched(root / "samples_resized", rank) for rank in range(3)]
+    before = [i for rank in range(2) for i in fetched(root / "fsdp", rank)[:2 * 24]]
+    after = [fetched(root / "resized", rank) for rank in range(3)]
     assert all(len(ids) == 4 * 16 for ids in after)  # 1 step of epoch 0 and the 3 of epoch 1, 16 digits each
     assert sorted(before + [i for ids in after for i in ids[:16]]) == list(range(N))
     assert sorted(i for ids in after for i in ids[16:]) == list(range(N))
@@ -257,6 +285,7 @@ def test_a_damaged_dcp_shard_is_found_and_a_named_resume_refused(launched, tmp_p
     makes the checkpoint damaged; named, it is refused in one line naming the file and the newest good one.
     ('latest' passing over one: the 3-process resume above.)"""
     root, _ = launched
+    finished_job(root / "fsdp", 2)
     for checkpoint in ("step_2", "step_4"):
         shutil.copytree(root / "fsdp" / checkpoint, tmp_path / checkpoint)
     assert check_checkpoint(tmp_path / "step_4") is None
@@ -275,8 +304,9 @@ def test_onnx_export_of_an_fsdp_run_matches_pytorch(launched):
         skip_or_fail_in_ci("onnx, onnxscript or onnxruntime is not installed: pip install -r requirements-export.txt")
     import onnxruntime
 
-    root, runs = launched
-    assert f"Wrote {root / 'fsdp.onnx'}" in runs["export"].stdout
+    root, in_this_process = launched
+    finished_job(root / "fsdp", 2)
+    assert f"Wrote {root / 'fsdp.onnx'}" in result(in_this_process["export"]).stdout
     digits = load_mnist_idx(root / "data")["test"][0][:16].unsqueeze(1)  # uint8 (16, 1, 28, 28), as predict.py reads
     model = ConvNet()
     model.load_state_dict(load_file(root / "fsdp" / "model.safetensors"))
@@ -292,7 +322,10 @@ def test_image_classifier_fsdp_on_3_resumes_on_2_and_predicts(launched):
     on 3 processes, resumed mid-epoch on 2; the whole weights load into a plain torchvision resnet18, and
     scripts/predict.py reads the 3-process run. bf16 trains only with every BatchNorm in an fp32 unit of its own
     (utils/run/fsdp.keep_batchnorm_in_fp32): under Accelerate's one bf16 policy the first backward stops."""
-    root, _ = launched
+    root, in_this_process = launched
+    finished_job(root / "on3", 3)
+    finished_job(root / "on2", 2)
+    result(in_this_process["predictions"])
     saved = results(root / "on3")
     assert_sharded(saved, 3)
     assert saved["mixed_precision"] == "bf16" and 0 < saved["train_loss"] < 10, saved

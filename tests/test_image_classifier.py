@@ -3,7 +3,7 @@ on generated image folders (four classes of coloured shapes, 40x40 px; chance is
 
 Processes (the suite's time is the number of processes it starts): a run stopped by a signal is a launch of its own
 (torchrun's signal to each process group is what it tests); the other runs are jobs of one launch per process count
-(tests/test_predict.py's launch_jobs: tests/sample_recorder.py --jobs, each launched process importing torch and
+(tests/jobs.py's launch_jobs, each launched process importing torch and
 Accelerate once): on 2 processes the stopped run's resume and the accumulation pair under the DDP probe, then on 1
 process the train/val run, the 1-process evaluation and the --sync_bn refusal. The 3-process evaluation and the
 unused-parameter refusal (it leaves DDP's threads to its exit) are launches of their own."""
@@ -16,6 +16,7 @@ import urllib.error
 
 import pytest
 import torch
+from datasets import Image
 from helpers import (
     REPO,
     STOPPED_BY_SIGNAL,
@@ -35,9 +36,8 @@ from image_data import (
     make_parquet_dataset,
     make_split_image_folder,
 )
-from datasets import Image
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from test_predict import job, launch_jobs
 
 from utils.data.image_dataset import TransformedImages
 from utils.data.image_loading import load_image_datasets
@@ -78,7 +78,7 @@ def probed_job(folder, name, args, count_allreduce=False) -> list:
 
 def probe_reports(folder, name, num_processes=2) -> list:
     """The DDP probe's report per rank of job NAME, which must have run to its end."""
-    job(folder, name, num_processes)
+    finished_job(folder / name, num_processes)
     return [json.loads((folder / f"{name}.probe.{rank}").read_text()) for rank in range(num_processes)]
 
 
@@ -124,7 +124,7 @@ def two_process_runs(flat_folder, tmp_path_factory):
     launch_jobs({
         "flat": probed_job(root, "flat", [*args, "--resume_from_checkpoint", "latest"]),
         **accumulation_jobs(root),
-    }, 2, root)
+    }, launcher_args(2), root)
     return root, output, stopped.returncode
 
 
@@ -155,13 +155,13 @@ def one_process_runs(split_folder, flat_folder, trained_flat_2proc, tmp_path_fac
                  "--eval_only", "--resume_from_checkpoint", trained_flat_2proc / "epoch_2"],
         "sync_bn": [SCRIPT, "--cpu", *FAST, "--data_dir", split_folder, "--output_dir", root / "sync_bn_out",
                     "--sync_bn"],
-    }, 1, root, fails=["sync_bn"])
+    }, launcher_args(1), root)
     return root
 
 
 @pytest.fixture(scope="module")
 def trained_split_1proc(one_process_runs):
-    job(one_process_runs, "split", 1)
+    finished_job(one_process_runs / "split", 1)
     return one_process_runs / "split_out"
 
 
@@ -230,7 +230,7 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(flat_folder, tr
     evaluations = {2: trained}
     for n in (1, 3):
         if n == 1:  # a job of the 1-process launch
-            job(one_process_runs, "eval", 1)
+            finished_job(one_process_runs / "eval", 1)
             out = one_process_runs / "eval_out"
         else:
             out = tmp_path / f"eval_{n}"
@@ -406,7 +406,7 @@ def test_sigterm_with_dataloader_workers_saves_the_step_and_resume_continues_the
 
 def test_sync_bn_on_cpu_stops_before_training_with_one_line(one_process_runs):
     # one process: the refusal comes before any collective (--sync_bn on 2 GPUs: the GPU tests)
-    proc = job(one_process_runs, "sync_bn", 1, must_pass=False)
+    proc = finished_job(one_process_runs / "sync_bn", 1, fails=True)
     assert_clean_user_error(proc, "--sync_bn", "GPU")
     assert not (one_process_runs / "sync_bn_out").exists()
 

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import EXIT_CHECK, REPO, free_consecutive_ports, free_port, launcher_args, run, threads_left_message
 from doc_commands import bash_commands, check_command
+from helpers import EXIT_CHECK, REPO, free_port, launcher_args, run, threads_left_message
+from jobs import launch_jobs, read_job
 
 # Every page of docs/ (the Python and JSON blocks are the migration pages'); its subfolders hold measurements only
 GUIDE_PAGES = sorted((REPO / "docs").glob("*.md"))
@@ -123,9 +124,17 @@ def _plain(value):
 with open(f"compared_{_os.environ.get('RANK', '0')}.json", "w") as _file:
     _json.dump({_name: _plain(globals()[_name]) for _name in COMPARED}, _file)
 """
-# The snippets of one launcher run in one launch of tests/snippet_batch.py, each in a process of its own forked from
-# the launched one (a launch per snippet cost 8-20 s of imports each); torchrun's batch runs the Horovod one too.
-BATCH = REPO / "tests" / "snippet_batch.py"
+# The snippets of one launcher run in one launch of tests/jobs.py, each in a process of its own forked from the
+# launched one (a launch per snippet cost 8-20 s of imports each); torchrun's batch runs the Horovod one too.
+# What the snippets import that costs seconds; imported once per launched process, before any fork, never used (no
+# threads yet). Not torch._dynamo: it imports torch.distributed.nn, whose default arguments hold the process group when
+# it is imported after one exists; a snippet must show that early import itself ("Ending a run cleanly"): it is left
+# out (not_preloaded). The last three are what torch._dynamo (imported by DDP and Accelerate's prepare) spends most of
+# its 2-3 s on without importing torch.distributed.nn, so the child's own import of torch._dynamo takes about 1 s.
+JOBS = REPO / "tests" / "jobs.py"
+SNIPPET_IMPORTS = ["numpy", "torch", "torch.distributed", "torch.multiprocessing", "torch.nn.parallel",
+                   "torch.utils.data", "accelerate", "accelerate.utils", "safetensors.torch",
+                   "sympy", "torch.fx.experimental.symbolic_shapes", "torch.distributed.tensor"]
 BATCHED_WITH = {"runnable: horovod stand-in, torchrun 2": "runnable: torchrun 2"}
 # accelerate launch --num_processes 2 --cpu without --multi_gpu: its simple launcher starts one process
 ONE_OF_TWO = "accelerate launch --num_processes 2 --cpu, no --multi_gpu"
@@ -140,7 +149,7 @@ SNIPPET_TIMEOUT = 240
 @dataclass
 class Case:
     """A test's variant of the guide's snippets, run in its launcher's batch after the snippets, in a process per rank
-    forked as a snippet's is, so that it fails as it would alone (snippet_batch.py). own_group: its own MASTER_PORT
+    forked as a snippet's is, so that it fails as it would alone (tests/jobs.py). own_group: its own MASTER_PORT
     and store, as a snippet; False: the launcher's rendezvous store and port, as a script launched alone has them
     (at most one case of a batch may form its group there: the store keeps the keys of the first)."""
     launcher: str
@@ -150,43 +159,40 @@ class Case:
 
 @dataclass
 class Ran:
-    """What a case's processes did: by rank, the exit status ("0", "1", "-6", "timeout"), stdout and stderr; the
-    gloo threads the exit check found alive at their exits; the script they ran, and its path."""
+    """What a case's processes did: by rank, the exit status (0, 1, -6 for a signal, None: killed at its timeout) and
+    output (stdout and stderr); the gloo threads the exit check found alive at their exits; the script they ran, and
+    its path."""
     status: list
-    stdout: list
-    stderr: list
+    outputs: list
     threads_left: list
     code: str
     script: str
 
     @property
     def output(self) -> str:
-        return "\n".join(self.stdout + self.stderr)
+        return "\n".join(self.outputs)
 
     @property
     def succeeded(self) -> bool:
-        return all(status == "0" for status in self.status)
+        return all(status == 0 for status in self.status)
 
 
 CASES = {}  # name -> Case, filled where each test is defined
 RAN = {}  # name -> Ran
 
 
-def batch_entry(folder: Path, marker: str, code: str, port: int, own_group: bool = True) -> dict:
-    """folder/snippet.py and what snippet_batch.py needs to run it."""
+def batch_job(folder: Path, marker: str, code: str, own_group: bool = True) -> dict:
+    """folder/snippet.py as a job of tests/jobs.py, run in that folder."""
     folder.mkdir()
     snippet = folder / "snippet.py"
     snippet.write_text(code)
     path = [RUNNER_ENV[marker]["PYTHONPATH"]] if marker in RUNNER_ENV else []
-    env = {
-        # a gloo worker thread left alive at a snippet's exit fails it ("Ending a run cleanly")
-        "EXIT_CHECK_DIR": str(folder / "exit_check"),
-        "PYTHONPATH": os.pathsep.join([*path, str(EXIT_CHECK)]),
-    }
-    if own_group:  # its own port: for its group, and for mp.spawn and notebook_launcher, which otherwise take 29500
-        env.update({"MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "False"})
-    (folder / "exit_check").mkdir()
-    return {"folder": str(folder), "snippet": str(snippet), "env": env, "path": path, "timeout": SNIPPET_TIMEOUT}
+    # its processes' exit check (a gloo worker thread left alive at a snippet's exit fails it, "Ending a run cleanly")
+    # in the processes it starts too; own_group: its own port, for its group, and for mp.spawn and notebook_launcher,
+    # which otherwise take 29500
+    env = {"PYTHONPATH": os.pathsep.join([*path, str(EXIT_CHECK)])}
+    return {"argv": [snippet], "cwd": folder, "path": path, "env": env, "own_group": own_group,
+            "timeout": SNIPPET_TIMEOUT}
 
 
 def run_batch(launcher: str, folder) -> None:
@@ -194,42 +200,37 @@ def run_batch(launcher: str, folder) -> None:
     OUTCOMES, each case's in RAN."""
     snippets = [p.values for p in RUNNABLE if BATCHED_WITH.get(p.values[0], p.values[0]) == launcher]
     cases = [(name, case) for name, case in CASES.items() if case.launcher == launcher]
-    first_port = free_consecutive_ports(len(snippets) + len(cases))
-    entries = []
+    jobs = {}
     for index, (marker, code) in enumerate(snippets):
         variables = COMPARED_IN.get(code, [])
         code += SAVE_COMPARED.replace("COMPARED", repr(variables)) if variables else ""
-        entries.append(batch_entry(folder / f"snippet_{index}", marker, code, first_port + index))
-    for index, (name, case) in enumerate(cases, len(snippets)):
+        jobs[f"snippet_{index}"] = batch_job(folder / f"snippet_{index}", marker, code)
+    for name, case in cases:
         code = case.code() if callable(case.code) else case.code
-        entries.append(batch_entry(folder / name, launcher, code, first_port + index, case.own_group))
-    manifest = folder / "manifest.json"
-    manifest.write_text(json.dumps(entries))
-    run([*BATCH_RUNNERS[launcher](BATCH), manifest], cwd=folder,
-        timeout=SNIPPET_TIMEOUT * len(entries), env={"OMP_NUM_THREADS": "1"})
-    for (_, code), entry in zip(snippets, entries):
-        OUTCOMES[code] = outcome_in(Path(entry["folder"]), PROCESSES[launcher])
-    for (name, _), entry in zip(cases, entries[len(snippets):]):
-        RAN[name] = ran_in(Path(entry["folder"]), PROCESSES[launcher])
+        jobs[name] = batch_job(folder / name, launcher, code, case.own_group)
+    launcher_command = BATCH_RUNNERS[launcher](JOBS)[:-1]  # the runner's command, less the script it ends with
+    launch = launch_jobs(jobs, launcher_command, folder, env={"OMP_NUM_THREADS": "1"}, cwd=folder,
+                         preload=SNIPPET_IMPORTS, not_preloaded=["torch.distributed.nn"])
+    assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
+    for index, (_, code) in enumerate(snippets):
+        OUTCOMES[code] = outcome_in(folder / f"snippet_{index}", PROCESSES[launcher])
+    for name, _ in cases:
+        RAN[name] = ran_in(folder / name, PROCESSES[launcher])
 
 
 def ran_in(folder, processes: int) -> Ran:
-    def text(name):
-        return (folder / name).read_text() if (folder / name).exists() else ""
-    return Ran([text(f"exit_status_{rank}") or None for rank in range(processes)],
-               [text(f"stdout_{rank}.txt") for rank in range(processes)],
-               [text(f"stderr_{rank}.txt") for rank in range(processes)],
-               [path.read_text() for path in (folder / "exit_check").iterdir()],
-               text("snippet.py"), str(folder / "snippet.py"))
+    """What the job run in `folder` did (its files beside the folder: tests/jobs.py)."""
+    job = read_job(folder, processes)
+    return Ran(job.statuses, job.outputs, job.threads_left, (folder / "snippet.py").read_text(),
+               str(folder / "snippet.py"))
 
 
 def outcome_in(folder, processes: int):
     """A snippet's outcome from its folder: every process's compared values, or why it failed."""
     ran = ran_in(folder, processes)
     for rank, status in enumerate(ran.status):
-        if status != "0":
-            return AssertionError(f"process {rank} of {processes} exited {status}\n"
-                                  f"{ran.stdout[rank][-4000:]}\n{ran.stderr[rank][-4000:]}")
+        if status != 0:
+            return AssertionError(f"process {rank} of {processes} exited {status}\n{ran.outputs[rank][-8000:]}")
     if ran.threads_left:
         return AssertionError(threads_left_message(ran.threads_left))
     return {int(path.stem.split("_")[1]): json.loads(path.read_text()) for path in folder.glob("compared_*.json")}
@@ -369,8 +370,8 @@ def test_the_process_count_check_stops_a_launch_without_cpu(case_ran):
     assert "parser.parse_args([])" in CASES["process_count_check_without_cpu"].code
     ran = case_ran("process_count_check_without_cpu")
     error = "error: 2 processes were launched but each runs alone; on a machine without GPUs add --cpu"
-    assert not ran.succeeded and "".join(ran.stderr).count(error) == 2, ran.stderr
-    assert not any('File "' + ran.script in stderr for stderr in ran.stderr)  # sys.exit: no traceback through it
+    assert not ran.succeeded and ran.output.count(error) == 2, ran.output
+    assert not any('File "' + ran.script in output for output in ran.outputs)  # sys.exit: no traceback through it
 
 
 def without_the_multi_gpu_check(code: str) -> str:
@@ -394,10 +395,10 @@ def test_the_process_count_check_stops_a_launch_without_multi_gpu(case_ran):
     assert "world_size {world_size}" in unchecked and 'if "MASTER_ADDR" in os.environ' not in unchecked
     ran = case_ran("no_process_count_check_without_multi_gpu")
     assert ran.succeeded and not ran.threads_left, ran.output
-    assert "world_size 1" in ran.stdout[0]  # the silent difference: one process, exit 0
+    assert "world_size 1" in ran.outputs[0]  # the silent difference: one process, exit 0
     ran = case_ran("process_count_check_without_multi_gpu")
     error = "error: accelerate launch was asked for several processes but started one; add --multi_gpu to it"
-    assert not ran.succeeded and ran.stderr[0].count(error) == 1, ran.stderr
+    assert not ran.succeeded and ran.outputs[0].count(error) == 1, ran.outputs
 
 
 # What `accelerate launch --mixed_precision fp16` sets for the script (this batch is launched with --mixed_precision no)
@@ -422,11 +423,11 @@ def test_the_fp16_check_stops_a_cpu_run_that_would_train_in_fp32(case_ran):
     assert 'if accelerator.mixed_precision == "fp16"' not in unchecked and "native_amp" in unchecked
     ran = case_ran("fp16_on_the_cpu_unchecked")
     assert ran.succeeded and not ran.threads_left, ran.output
-    assert all("mixed precision fp16, native_amp False" in stdout for stdout in ran.stdout), ran.stdout
+    assert all("mixed precision fp16, native_amp False" in output for output in ran.outputs), ran.outputs
     ran = case_ran("fp16_on_the_cpu")
     error = "error: fp16 mixed precision needs a GPU (on the CPU it would run in fp32); use bf16 or no"
-    assert not ran.succeeded and "".join(ran.stderr).count(error) == 2, ran.stderr
-    assert not any('File "' + ran.script in stderr for stderr in ran.stderr)  # sys.exit: no traceback through it
+    assert not ran.succeeded and ran.output.count(error) == 2, ran.output
+    assert not any('File "' + ran.script in output for output in ran.outputs)  # sys.exit: no traceback through it
 
 LOCAL_RANK_SNIPPET = the_snippet_with('add_argument("--local_rank"', RUNNABLE)
 _start, _parse = "parser = argparse.ArgumentParser()", "args = parser.parse_args()"
@@ -448,7 +449,7 @@ def test_old_local_rank_parser_under_torch_launchers(tmp_path, case_ran):
     assert launch.returncode != 0 and "error: unrecognized arguments: --local-rank=0" in launch.stderr, launch.stderr
     torchrun = case_ran("old_parser_under_torchrun")
     assert torchrun.succeeded and not torchrun.threads_left, torchrun.output
-    assert all("local_rank -1" in stdout for stdout in torchrun.stdout)
+    assert all("local_rank -1" in output for output in torchrun.outputs)
 
 
 # What a script does after the guide's lines to delete: join the group, say who it is. TIMEOUT: the process
@@ -487,7 +488,7 @@ for _variable in (None, "WORLD_SIZE", "MASTER_PORT"):
 def test_environment_set_by_the_script_overrides_the_launcher(variable, case_ran):
     """The guide's lines to delete, each run in front of JOIN_AND_REPORT with 2 processes; None: without them."""
     ran = case_ran(f"environment_set_by_the_script_{variable}")
-    stdout = "".join(ran.stdout)
+    stdout = "".join(ran.outputs)
     if variable is None:
         assert ran.succeeded and not ran.threads_left, ran.output
         assert {"process 0 of 2", "process 1 of 2"} <= set(stdout.splitlines()), ran.output

@@ -2,8 +2,8 @@
 scripts/minimal_mnist.py (Accelerate). Their diff is the migration; on one process they train
 the same model, bit for bit; on two, the evaluation counts every sample once; a launch that
 would run, but not as asked, stops with one line. The one-process runs (the pair on the real digits, and the
-refusal of a folder without the data) are jobs of one process (tests/sample_recorder.py --jobs: torch and Accelerate
-imported once, a child forked per run); the launches with config files and the two-process run are launches of their
+refusal of a folder without the data) are jobs of one process (tests/jobs.py: torch and Accelerate imported once, a
+child forked per run); the launches with config files and the two-process run are launches of their
 own."""
 
 import importlib.util
@@ -22,14 +22,13 @@ from helpers import (
     results,
     run,
 )
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import finished_job, jobs_file
 
 from utils.models import ConvNet as UtilsConvNet
 
 PLAIN = REPO / "scripts" / "baselines" / "minimal_mnist_plain.py"
 MINIMAL = REPO / "scripts" / "minimal_mnist.py"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 # accelerate launch gives each process OMP_NUM_THREADS=1 unless told otherwise; the plain run gets the
 # same, since a different thread count sums the convolutions in another order (other last bits).
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -108,7 +107,7 @@ def test_both_scripts_hold_the_collections_convnet():
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    """The one-process runs, each a child forked from one `python tests/sample_recorder.py --jobs` (ONE_THREAD; plain
+    """The one-process runs, each a child forked from one `python tests/jobs.py` (ONE_THREAD; plain
     python, as a user may run either script: an Accelerator needs no launcher, and the two-process test goes through
     accelerate launch), in turn: the minimal script on an empty folder (no_data), then, where the real digits are,
     both scripts, one epoch on the 8,000 training digits (plain/, accelerate/). Accumulating over 2 of the 125
@@ -122,9 +121,7 @@ def one_process(tmp_path_factory):
         common = ["--data_dir", MNIST_10K, "--epochs", "1", "--gradient_accumulation_steps", "2", "--cpu"]
         jobs.update(plain=[PLAIN, *common, "--output_dir", out / "plain"],
                     accelerate=[MINIMAL, *common, "--output_dir", out / "accelerate"])
-    manifest = jobs_file(out / "jobs.json", [{"argv": argv, "sample_log": out / name, "timeout": 600,
-                                              "fails": name == "no_data"} for name, argv in jobs.items()])
-    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs), env=ONE_THREAD)
+    launch_jobs(jobs, [sys.executable], out, env=ONE_THREAD)
     return out
 
 

@@ -2,7 +2,7 @@
 partner chosen by (seed, epoch, index), in the DataLoader workers, through torchvision's v2.MixUp and v2.CutMix. The
 pixels and targets it gives, whatever the order of access and the workers; train_accuracy with class weights as
 targets; then real runs of train_image_classifier.py on 1, 2 and 3 processes that mix the same pairs into the same
-pixels (tests/sample_recorder.py logs every mixed sample), and a resumed run that ends with the uninterrupted run's
+pixels (tests/sample_recording.py logs every mixed sample), and a resumed run that ends with the uninterrupted run's
 weights. The flags' refusals: tests/test_bad_inputs.py, test_bad_flag_values."""
 
 import json
@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import REPO, launcher_args, load_script, results, run, run_folder_of
+from helpers import REPO, launcher_args, load_script, results, run_folder_of
 from image_data import make_split_image_folder
-from sample_recorder import jobs_file
+from jobs import finished_job, launch_jobs
 
 from utils.data.image_dataset import TransformedImages
 from utils.data.image_loading import load_image_datasets
@@ -24,7 +24,6 @@ from utils.run.progress import TrainingProgress, read_training_state
 from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 MIXING = ["--mixup_alpha", "0.8", "--cutmix_alpha", "1.0", "--mix_prob", "0.8"]
 
 
@@ -238,15 +237,10 @@ def test_without_the_flags_nothing_is_mixed(folder):
 # ---------------------------------------------------------------- runs on 1, 2 and 3 processes, and a resume
 
 
-def launch_recorded(jobs, num_processes, folder):
-    """The script under tests/sample_recorder.py, one run after the other in one launch (--jobs): `jobs` are (args,
-    log); processes out of step (a bug) fail after --ddp_timeout 60, a run still going at 300 s is killed."""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"], "sample_log": log,
-         "timeout": 300} for args, log in jobs])
-    proc = run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=300 * len(jobs))
-    outputs = sorted(path for _, log in jobs for path in log.parent.glob(f"{log.name}.rank*.out"))
-    assert proc.returncode == 0, "\n".join(f"{path.name}: {path.read_text()[-6000:]}" for path in outputs)
+def recorded_job(*args) -> dict:
+    """A job of `runs`: the classifier with ARGS, its mixed samples logged; processes out of step (a bug) fail after
+    --ddp_timeout 60, a run still going at 300 s is killed."""
+    return {"argv": [CLASSIFIER, "--cpu", *args, "--ddp_timeout", "60"], "record_samples": True, "timeout": 300}
 
 
 def mixed_samples(log, rank):
@@ -269,27 +263,31 @@ ONE_PROCESS = ["--batch_size", "12", "--num_workers", "0", "--learning_rate", "1
 def runs(folder, tmp_path_factory):
     """2 epochs of 48 images in global batches of 12 (4 steps per epoch): on 1 process (no workers, ONE_PROCESS), 2
     (1 worker each, a checkpoint every 3 steps) and 3 (2 workers each); then the 2-process run resumed from step_6,
-    mid-epoch 1, in the same launch as the run it resumes (tests/sample_recorder.py --jobs)."""
+    mid-epoch 1, in the same launch as the run it resumes (tests/jobs.py). Each test reads the jobs it needs."""
     root = tmp_path_factory.mktemp("mixing_runs")
     two_processes = ["--batch_size", "6", "--num_workers", "1"]
-    launch_recorded([([*run_flags(folder, root / "p1"), *ONE_PROCESS], root / "p1.log")], 1, root)
-    launch_recorded([([*run_flags(folder, root / "p2"), *two_processes, "--checkpointing_steps", "3"], root / "p2.log"),
-                     ([*run_flags(folder, root / "resumed"), *two_processes,
-                       "--resume_from_checkpoint", root / "p2" / "step_6"], root / "resumed.log")], 2, root)
-    launch_recorded([([*run_flags(folder, root / "p3"), "--batch_size", "4", "--num_workers", "2"], root / "p3.log")],
-                    3, root)
+    launch_jobs({"p1": recorded_job(*run_flags(folder, root / "p1"), *ONE_PROCESS)}, launcher_args(1), root)
+    launch_jobs({
+        "p2": recorded_job(*run_flags(folder, root / "p2"), *two_processes, "--checkpointing_steps", "3"),
+        "resumed": recorded_job(*run_flags(folder, root / "resumed"), *two_processes, "--resume_from_checkpoint",
+                            root / "p2" / "step_6"),
+    }, launcher_args(2), root)
+    launch_jobs({"p3": recorded_job(*run_flags(folder, root / "p3"), "--batch_size", "4", "--num_workers", "2")},
+                launcher_args(3), root)
     return root
 
 
 def run_flags(folder, output_dir) -> list:
     """What the runs above share."""
-    return ["--data_dir", str(folder), "--output_dir", str(output_dir), "--model", "tests.sample_recorder:tiny_cnn",
+    return ["--data_dir", str(folder), "--output_dir", str(output_dir), "--model", "tests.tiny_model:tiny_cnn",
             "--image_size", "16", "--epochs", "2", "--optimizer", "adamw", "--warmup_epochs", "0",
             "--label_smoothing", "0.1", *MIXING]
 
 
 def test_1_2_and_3_processes_mix_the_same_pairs_into_the_same_samples(runs):
-    per_count = {n: Counter(s for rank in range(n) for s in mixed_samples(runs / f"p{n}.log", rank)) for n in (1, 2, 3)}
+    for n in (1, 2, 3):
+        finished_job(runs / f"p{n}", n)
+    per_count = {n: Counter(s for rank in range(n) for s in mixed_samples(runs / f"p{n}", rank)) for n in (1, 2, 3)}
     assert per_count[1] == per_count[2] == per_count[3]
     samples = per_count[1]
     assert sum(samples.values()) == 2 * 48 and max(samples.values()) == 1
@@ -306,6 +304,8 @@ def test_1_2_and_3_processes_mix_the_same_pairs_into_the_same_samples(runs):
 
 
 def test_a_resumed_run_mixes_the_rest_and_ends_with_the_uninterrupted_runs_weights(runs):
+    finished_job(runs / "p2", 2)
+    finished_job(runs / "resumed", 2)
     uninterrupted, resumed = results(runs / "p2"), results(runs / "resumed")
     assert (runs / "resumed" / "model.safetensors").read_bytes() == (runs / "p2" / "model.safetensors").read_bytes()
     assert resumed["resumed_from"].endswith("step_6") and resumed["global_step"] == 8
@@ -314,11 +314,12 @@ def test_a_resumed_run_mixes_the_rest_and_ends_with_the_uninterrupted_runs_weigh
                                                                   uninterrupted["train_accuracy"])
     assert resumed["eval_loss"] == uninterrupted["eval_loss"]
     for rank in range(2):  # after the first 6 steps (6 batches of 6 per process): the same samples, in order
-        assert mixed_samples(runs / "resumed.log", rank) == mixed_samples(runs / "p2.log", rank)[36:]
+        assert mixed_samples(runs / "resumed", rank) == mixed_samples(runs / "p2", rank)[36:]
 
 
 def test_a_resume_that_changes_adds_or_drops_mixing_is_refused(runs, tmp_path):
     """In-process, as the script checks before it writes anything (tests/test_run_records.py runs that end to end)."""
+    finished_job(runs / "p2", 2)
     script = load_script(CLASSIFIER)
     recorded = json.loads((runs / "p2" / "run.json").read_text())
     same = ["--data_dir", recorded["data"], "--image_size", "16", "--model", recorded["model"], "--optimizer", "adamw",
@@ -352,12 +353,14 @@ def test_train_loss_and_accuracy_are_the_means_over_the_mixed_samples_trained(ru
     build_datasets: train_loss is the mean smoothed cross-entropy against the mixed targets, train_accuracy the mean
     weight of each predicted class."""
     from safetensors.torch import load_file
-    from sample_recorder import digest_of, tiny_cnn
+    from sample_recording import digest_of
+    from tiny_model import tiny_cnn
 
     from utils.data.device_input import normalise_on_device
 
+    finished_job(runs / "p1")
     out = runs / "p1"
-    trained = mixed_samples(runs / "p1.log", 0)
+    trained = mixed_samples(runs / "p1", 0)
     assert [epoch for epoch, *_ in trained] == [0] * 48 + [1] * 48
     script = load_script(CLASSIFIER)
     dataset = script.build_datasets(script.parse_args([*run_flags(folder, out), *ONE_PROCESS]),

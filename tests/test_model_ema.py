@@ -2,8 +2,8 @@
 optimizer step, evaluated each epoch beside the weights (eval_ema_*), saved in every checkpoint and resumed bit for
 bit, written as model_ema.safetensors, selectable for best/ and by predict.py's --weights ema. The update rule step
 by step; real runs of train_mnist.py on 2 processes with gradient accumulation, and of train_image_classifier.py
-under --compile. Every run is a job of one launch per process count (tests/sample_recorder.py --jobs, each process
-importing torch and Accelerate once): on 2 processes (tests/test_predict.py's launch_jobs) the runs with and without
+under --compile. Every run is a job of one launch per process count (tests/jobs.py's launch_jobs, each process
+importing torch and Accelerate once): on 2 processes the runs with and without
 the average and the resume, then on 1 process, started by plain python as accelerate's one-process launcher would run
 it (one process less), the evaluation of best/, predict.py's and the classifier's runs; the 3-process --eval_only is
 a launch of its own (the only 3-process run here)."""
@@ -21,17 +21,16 @@ from helpers import (
     TRAIN_MNIST,
     assert_clean_user_error,
     launch,
+    launcher_args,
     load_script,
     make_synthetic_mnist,
     results,
-    run,
     run_folder_of,
 )
 from image_data import make_split_image_folder
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import jobs_file
 from test_output_files import documented_files
-from test_predict import job, launch_jobs
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.errors import UserError
@@ -43,7 +42,6 @@ from utils.run.run_folder import check_output_dir
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 # 640 digits, 2 processes x 16 x 2 accumulation steps: 20 batches per process and epoch, 10 optimizer steps
 COMMON = ["--epochs", "2", "--batch_size", "16", "--gradient_accumulation_steps", "2", "--checkpointing_steps", "7",
           "--learning_rate", "3e-4"]  # low enough that the accuracies stay below 100%: their comparisons say something
@@ -137,19 +135,19 @@ def two_process_runs(digits, tmp_path_factory):
         # mid-epoch 0: 7 of its 10 optimizer steps done
         "resumed": [*train, *EMA, "--output_dir", root / "resumed", "--resume_from_checkpoint",
                     root / "with_ema" / "step_7"],
-    }, 2, root)
+    }, launcher_args(2), root)
     return root
 
 
 @pytest.fixture(scope="module")
 def with_ema(two_process_runs):
     """(output_dir, log): log, what both processes printed."""
-    return two_process_runs / "with_ema", job(two_process_runs, "with_ema", 2).stdout
+    return two_process_runs / "with_ema", finished_job(two_process_runs / "with_ema", 2).stdout
 
 
 @pytest.fixture(scope="module")
 def without_ema(two_process_runs):
-    job(two_process_runs, "without_ema", 2)
+    finished_job(two_process_runs / "without_ema", 2)
     return two_process_runs / "without_ema"
 
 
@@ -157,7 +155,7 @@ def without_ema(two_process_runs):
 def one_process_runs(with_ema, without_ema, digits, tmp_path_factory):
     """The 1-process launch, after the 2-process one: --eval_only of with_ema's best/ (eval/), predict.py --weights
     ema on with_ema (ema.csv) and on without_ema (refused: no.csv), and the classifier under --compile with the
-    average (classifier/). Its jobs are read as launch_jobs' (job()). Returns its folder."""
+    average (classifier/). Each test reads its job (jobs.finished_job). Returns its folder."""
     root = tmp_path_factory.mktemp("ema_1proc")
     (root / "eval").mkdir()
     (root / "eval" / "best").symlink_to(with_ema[0] / "best")
@@ -171,19 +169,15 @@ def one_process_runs(with_ema, without_ema, digits, tmp_path_factory):
                                 root / "no.csv", "--weights", "ema"],
         # 4 classes x 8 images, batches of 4, 2 per optimizer step: 4 steps per epoch
         "classifier": [CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", root / "classifier", "--model",
-                       "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0", "--batch_size",
+                       "tests.tiny_model:tiny_cnn", "--image_size", "16", "--num_workers", "0", "--batch_size",
                        "4", "--gradient_accumulation_steps", "2", "--epochs", "2", "--optimizer", "adamw",
                        "--learning_rate", "0.002", "--compile", "--model_ema", "--metric_for_best",
                        "eval_ema_accuracy"],
     }
-    # launch_jobs' jobs, started by python with the one thread the launcher would give: accelerate launch's own process
-    # adds nothing to one process (the scripts' launched 1-process runs: test_train_mnist.py, test_predict.py and
+    # started by python with the one thread the launcher would give: accelerate launch's own process adds nothing to
+    # one process (the scripts' launched 1-process runs: test_train_mnist.py, test_predict.py and
     # test_image_classifier.py)
-    manifest = jobs_file(root / "jobs_1.json", [{"argv": argv, "sample_log": root / name, "timeout": 600,
-                                                 "fails": name == "predict_without_ema"}
-                                                for name, argv in jobs.items()])
-    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-        env={"OMP_NUM_THREADS": "1"})
+    launch_jobs(jobs, [sys.executable], root, env={"OMP_NUM_THREADS": "1"})
     return root
 
 
@@ -235,7 +229,7 @@ def test_the_average_changes_nothing_of_the_training(with_ema, without_ema):
 
 def test_a_resumed_run_ends_with_the_uninterrupted_runs_average_bit_for_bit(with_ema, two_process_runs):
     full, resumed = with_ema[0], two_process_runs / "resumed"
-    job(two_process_runs, "resumed", 2)
+    finished_job(two_process_runs / "resumed", 2)
     r, rr = results(full), results(resumed)
     assert rr["resumed_from"].endswith("step_7") and rr["ema_updates"] == STEPS
     assert (resumed / EMA_WEIGHTS).read_bytes() == (full / EMA_WEIGHTS).read_bytes()
@@ -256,7 +250,7 @@ def test_best_holds_the_average_that_one_process_evaluates_as_two_did(with_ema, 
     assert best.keys() == average.keys() == load_file(out / "model.safetensors").keys()
     assert all(torch.equal(best[key], average[key]) for key in best)
 
-    job(one_process_runs, "eval_best", 1)
+    finished_job(one_process_runs / "eval_best", 1)
     evaluated = read_json(one_process_runs / "eval" / "eval_results.json")
     assert evaluated["eval_accuracy"] == r["eval_ema_accuracy"] < 1 and evaluated["eval_samples"] == 203
     # the loss to the 9th digit: on 2 processes the last batch of 11 digits is padded to 16, and the Linear layer
@@ -284,14 +278,14 @@ def test_eval_only_with_model_ema_evaluates_a_checkpoints_average_on_3_processes
 def test_predict_with_weights_ema_has_the_averages_accuracy_and_refuses_a_run_without_one(with_ema, one_process_runs):
     """One process, jobs of the 1-process launch (predict.py's runs on several: tests/test_predict.py)."""
     out = with_ema[0]
-    job(one_process_runs, "predict_ema", 1)
+    finished_job(one_process_runs / "predict_ema", 1)
     with open(one_process_runs / "ema.csv", newline="") as file:
         table = list(csv.DictReader(file))
     assert sum(row["class_1"] == row["label"] for row in table) / len(table) == results(out)["eval_ema_accuracy"]
 
     # refused before any work: the one predict.py process that prints a --model_dir refusal (test_predict.py asks its
     # others of main() in the test process; its other refusal in a process: --on_error stop)
-    proc = job(one_process_runs, "predict_without_ema", 1, must_pass=False)
+    proc = finished_job(one_process_runs / "predict_without_ema", 1, fails=True)
     assert_clean_user_error(proc, f"has no {EMA_WEIGHTS}", "trained without --model_ema", "drop --weights ema")
     assert not (one_process_runs / "no.csv").exists()
     with pytest.raises(UserError, match="or it is a best/ folder"):
@@ -328,7 +322,7 @@ def test_classifier_keeps_the_average_of_the_compiled_model_with_gradient_accumu
     without warmup is far too slow for 8 steps: the run says so. One process, a job of the 1-process launch (the
     classifier's runs on several: tests/test_image_classifier.py)."""
     out = one_process_runs / "classifier"
-    proc = job(one_process_runs, "classifier", 1)
+    proc = finished_job(one_process_runs / "classifier", 1)
     r = results(out)
     assert r["compiled"] and r["global_step"] == r["ema_updates"] == 8
     assert {"eval_ema_accuracy", "eval_ema_top5_accuracy", "eval_ema_loss"} <= r.keys()

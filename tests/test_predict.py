@@ -3,8 +3,8 @@ same bytes on 1, 2 and 3 processes, the training run's accuracy, bad inputs as o
 ONNX export checked with onnxruntime. One tiny image run and one MNIST run, trained once for the module.
 
 Processes (the suite's time is the number of processes it starts): every launched run of this file is a job of one
-launch per process count (`launch_jobs`: tests/sample_recorder.py --jobs, each launched process importing torch and
-Accelerate once, then forking one child per job): on 1 process the two training runs, then the documented commands
+launch per process count (tests/jobs.py's `launch_jobs`, each launched process importing torch and Accelerate
+once, then forking one child per job): on 1 process the two training runs, then the documented commands
 (their script and flags: `accelerate launch` or `python` without a flag of its own runs just that on one process)
 and the --on_error stop; on 3 processes the image and the MNIST predictions; the 2-process predictions are the one
 2-process run. predict.py's main() runs in the test process (`predict_in_this_process`) for the refusals before the
@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,11 +33,10 @@ from helpers import (
     load_script,
     make_synthetic_mnist,
     results,
-    run,
     skip_or_fail_in_ci,
 )
 from image_data import make_split_image_folder
-from sample_recorder import job_outcome, jobs_file
+from jobs import finished_job, launch_jobs
 
 from utils.data.mnist import load_mnist_idx
 from utils.errors import UserError
@@ -48,34 +46,6 @@ from utils.predict.trained_run import read_inputs, read_trained_run
 PREDICT = REPO / "scripts" / "predict.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 NUM_EVAL_IMAGES = 13  # neither 2 nor 3 processes divide it; with --batch_size 4 the last batch holds one image
-
-
-RECORDER = REPO / "tests" / "sample_recorder.py"
-
-
-def launch_jobs(jobs: dict, num_processes: int, folder, fails=(), env=None) -> None:
-    """One `accelerate launch` of N CPU processes running the jobs {NAME: [SCRIPT, *ARGS]} in turn
-    (tests/sample_recorder.py --jobs): each launched process imports torch and Accelerate once, then forks one child
-    per job, which runs SCRIPT ARGS as `python SCRIPT ARGS` would in a launched process (a launch of its own would cost
-    ~20 CPU-s more). A job may read what the ones before it wrote. Those named in `fails` must exit non-zero: refusals
-    that come before any process group, as a launch that ends well is held to helpers.run's exit check (a refusal out
-    of a DDP step leaves gloo's threads alive: a launch of its own). Unchecked: each test reads its jobs with job().
-    (Shared with tests/test_model_ema.py and tests/test_image_classifier.py.)"""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": argv, "sample_log": folder / name, "timeout": 600, "fails": name in fails}
-        for name, argv in jobs.items()])
-    run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs), env=env)
-
-
-def job(folder, name, num_processes: int, must_pass=True) -> subprocess.CompletedProcess:
-    """Job NAME of launch_jobs(..., folder) as a finished process: its exit status (0 where every process exited 0,
-    else the first other: a refusal's; -9 for a process killed at its timeout) and its output (each process's
-    stdout and stderr, rank 0's first). must_pass: fail, with that output, unless every process exited 0."""
-    statuses, outputs = job_outcome(folder / name, num_processes)
-    statuses = [-9 if status is None else status for status in statuses]
-    output = "".join(outputs)
-    assert not must_pass or statuses == [0] * num_processes, f"job {name} exited {statuses}:\n{output[-8000:]}"
-    return subprocess.CompletedProcess(name, next((s for s in statuses if s != 0), 0), output, "")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +59,7 @@ def one_process_runs(tmp_path_factory):
     mnist_data = make_synthetic_mnist(root / "digits", num_train=256, num_test=203)
     corrupt = corrupt_folder(image_data, root / "new_images")
     jobs = {
-        "image_run": [CLASSIFIER, "--cpu", "--data_dir", image_data, "--model", "tests.sample_recorder:tiny_cnn",
+        "image_run": [CLASSIFIER, "--cpu", "--data_dir", image_data, "--model", "tests.tiny_model:tiny_cnn",
                       "--image_size", "16", "--epochs", "1", "--batch_size", "8", "--num_workers", "0",
                       "--metric_for_best", "eval_accuracy", "--output_dir", root / "image_run"],
         "mnist_run": [TRAIN_MNIST, "--cpu", "--data_dir", mnist_data, "--epochs", "1", "--output_dir",
@@ -101,7 +71,7 @@ def one_process_runs(tmp_path_factory):
     }
     (root / "documented").mkdir()
     (root / "stopped").mkdir()
-    launch_jobs(jobs, 1, root, fails=["on_error_stop"], env={"CUDA_VISIBLE_DEVICES": ""})
+    launch_jobs(jobs, launcher_args(1), root, env={"CUDA_VISIBLE_DEVICES": ""})
     return root
 
 
@@ -118,7 +88,7 @@ def corrupt_folder(image_data, folder):
 def image_run(one_process_runs):
     """(data, output_dir): a one-convolution CNN trained for one epoch on 4 classes of 16-px images, evaluated on
     13; --metric_for_best also writes best/ (after the one epoch: the final weights)."""
-    job(one_process_runs, "image_run", 1)
+    finished_job(one_process_runs / "image_run", 1)
     assert results(one_process_runs / "image_run")["eval_samples"] == NUM_EVAL_IMAGES
     return one_process_runs / "images", one_process_runs / "image_run"
 
@@ -126,7 +96,7 @@ def image_run(one_process_runs):
 @pytest.fixture(scope="module")
 def mnist_run(one_process_runs):
     """(data, output_dir): the ConvNet after one epoch on 256 generated digits, evaluated on 203 (= 7 x 29)."""
-    job(one_process_runs, "mnist_run", 1)
+    finished_job(one_process_runs / "mnist_run", 1)
     return one_process_runs / "digits", one_process_runs / "mnist_run"
 
 
@@ -170,7 +140,7 @@ def documented(one_process_runs, image_run, mnist_run):
     their files: the 1-process predictions from best/ and on MNIST, and the image run's export."""
     ran = {}
     for name, (key, argv, written) in documented_jobs(image_run, mnist_run, one_process_runs / "documented").items():
-        proc = job(one_process_runs, name, 1)
+        proc = finished_job(one_process_runs / name, 1)
         assert written.is_file(), argv
         ran.setdefault(key, (proc, written))
     return ran
@@ -187,7 +157,7 @@ def three_process_predictions(image_run, mnist_run, tmp_path_factory):
                    folder / "images.csv", "--batch_size", "4", "--num_workers", "0"],
         "mnist": [PREDICT, "--cpu", "--model_dir", mnist_out, "--data_dir", mnist_data, "--output_file",
                   folder / "mnist.csv", "--batch_size", "64"],
-    }, 3, folder)
+    }, launcher_args(3), folder)
     return folder
 
 
@@ -235,7 +205,7 @@ def test_image_predictions_are_the_same_bytes_on_1_2_3_processes_with_the_runs_a
     # 2 and 3 processes read the run folder (the same weights), in batches of 4
     two = tmp_path / "predictions_2.csv"
     outputs[2] = predict(out, data, two, 2, "--batch_size", "4", "--num_workers", "0"), two
-    outputs[3] = job(three_process_predictions, "images", 3), three_process_predictions / "images.csv"
+    outputs[3] = finished_job(three_process_predictions / "images", 3), three_process_predictions / "images.csv"
     files = {}
     for num_processes, (proc, output) in outputs.items():
         assert f"on {num_processes} process(es)" in proc.stdout, proc.stdout  # the process count really was N
@@ -267,7 +237,7 @@ def test_mnist_predictions_match_the_training_evaluation_on_1_and_3_processes(
     proc, one = documented_run(documented, "csv", "mnist", "run")
     assert "on 1 process(es)" in proc.stdout, proc.stdout
     three = three_process_predictions / "mnist.csv"
-    proc = job(three_process_predictions, "mnist", 3)
+    proc = finished_job(three_process_predictions / "mnist", 3)
     assert "on 3 process(es)" in proc.stdout
     assert one.read_bytes() == three.read_bytes()
     table = rows(one)
@@ -310,7 +280,7 @@ def test_a_corrupt_image_is_one_row_naming_it_or_with_on_error_stop_one_line_and
     assert "1 unreadable" in printed
 
     stopped = one_process_runs / "stopped"  # --on_error stop, into stopped/predictions.csv
-    proc = job(one_process_runs, "on_error_stop", 1, must_pass=False)
+    proc = finished_job(one_process_runs / "on_error_stop", 1, fails=True)
     assert_clean_user_error(proc, str(broken), "cannot be decoded")
     assert stopped.is_dir() and not any(stopped.iterdir())  # no predictions.csv, nor a temporary .predictions.csv*
 
@@ -421,7 +391,7 @@ def test_onnx_export_takes_uint8_images_of_any_batch_size_and_matches_pytorch(im
     import onnx
     import onnxruntime
     from safetensors.torch import load_file
-    from sample_recorder import tiny_cnn
+    from tiny_model import tiny_cnn
 
     from utils.data.decoding import decode_rgb
     from utils.data.device_input import normalise_on_device

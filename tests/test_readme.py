@@ -246,10 +246,10 @@ RUN_HERE = ("scripts/train_mnist.py", "scripts/minimal_mnist.py", "scripts/train
 LAUNCHED_BY_ANOTHER_TEST = {
     "accelerate launch --config_file accelerate_configs/cpu_2proc.yaml scripts/train_mnist.py":
         "tests/test_configs.py::test_cpu_configs_form_the_process_group_they_promise",  # [cpu_2proc.yaml]
-    # its run "fsdp": the yaml's 2 processes, given as --num_processes 2, under tests/sample_recorder.py
+    # its run "fsdp": the yaml's 2 processes, given as --num_processes 2, a job of tests/jobs.py
     "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml scripts/train_mnist.py":
         "tests/test_fsdp.py::test_mnist_fsdp_on_2_processes_shards_and_trains_as_ddp",
-    # its run "resized": --num_processes 3 ... --resume_from_checkpoint latest, under tests/sample_recorder.py
+    # its run "resized": --num_processes 3 ... --resume_from_checkpoint latest, a job of tests/jobs.py
     "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml --num_processes 3 scripts/train_mnist.py":
         "tests/test_fsdp.py::test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once",
     # helpers.launcher_args(2): these flags, and --num_machines 1 --mixed_precision no --dynamo_backend no, the

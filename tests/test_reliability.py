@@ -30,7 +30,7 @@ from helpers import (
     training_processes,
     wait_for_path,
 )
-from sample_recorder import job_outcome, jobs_file
+from jobs import finished_job, launch_jobs, read_job
 
 from utils.errors import UserError
 from utils.launch.launch_checks import check_enough_devices
@@ -38,7 +38,7 @@ from utils.run.checkpoints import TMP_PREFIX
 from utils.run.run_folder import one_training_at_a_time
 
 RESTART = REPO / "scripts" / "restart_on_failure.sh"
-RECORDER = REPO / "tests" / "sample_recorder.py"
+JOBS = REPO / "tests" / "jobs.py"
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,9 @@ def uninterrupted(data, tmp_path_factory):
 def one_process_runs(data, tmp_path_factory):
     """One process, uninterrupted ("full"), then resumed from its step_45 (13 batches into epoch 1, "resumed"), and a
     run whose loss diverges ("diverging"). The uninterrupted run is started with --resume_from_checkpoint latest too,
-    into an empty folder, as a job script's every attempt is. Jobs of tests/sample_recorder.py --jobs, which runs alone
-    (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs a script: the launched one-process
-    runs are test_one_training_per_folder_...'s), each forked from the one process that imported the libraries: its
-    output in RUNS/NAME.log.rank0.out, its exit status in RUNS/NAME.log.rank0.exit."""
+    into an empty folder, as a job script's every attempt is. Jobs of tests/jobs.py, which runs alone (`python
+    tests/jobs.py`, as accelerate's one-process launcher runs a script: the launched one-process runs are
+    test_one_training_per_folder_...'s), each forked from the one process that imported the libraries."""
     runs = tmp_path_factory.mktemp("one_process")
     args = ["--data_dir", data, "--epochs", "2", "--batch_size", "32", "--checkpointing_steps", "45"]
     jobs = {
@@ -73,24 +72,14 @@ def one_process_runs(data, tmp_path_factory):
         "diverging": ["--data_dir", data, "--output_dir", runs / "diverging", "--learning_rate", "1e30", "--batch_size",
                       "16", "--checkpointing_steps", "1"],
     }
-    manifest = jobs_file(runs / "jobs.json", [
-        {"argv": [TRAIN_MNIST, "--cpu", *argv], "sample_log": runs / f"{name}.log", "timeout": 600,
-         "fails": name == "diverging"} for name, argv in jobs.items()])
-    run([sys.executable, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-        env={"OMP_NUM_THREADS": "1"})  # the one thread per process that the launcher gives
+    launch_jobs({name: [TRAIN_MNIST, "--cpu", *argv] for name, argv in jobs.items()}, [sys.executable], runs,
+                env={"OMP_NUM_THREADS": "1"})  # the one thread per process that the launcher gives
     return runs
-
-
-def ended(runs, name: str) -> tuple:
-    """Job NAME's exit status and output (its stdout and stderr in one file)."""
-    (status,), (output,) = job_outcome(runs / f"{name}.log", 1)
-    return None if status is None else str(status), output
 
 
 def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):
     for name in ("full", "resumed"):
-        status, output = ended(one_process_runs, name)
-        assert status == "0", output[-6000:]
+        finished_job(one_process_runs / name)
     full, resumed = results(one_process_runs / "full"), results(one_process_runs / "resumed")
     assert resumed["resumed_from"] == str(one_process_runs / "full" / "step_45")
     assert (one_process_runs / "resumed" / "model.safetensors").read_bytes() == \
@@ -100,9 +89,8 @@ def test_one_process_mid_epoch_resume_is_bit_exact(one_process_runs):
 
 
 def test_resume_latest_with_no_checkpoint_starts_from_scratch(one_process_runs):
-    status, output = ended(one_process_runs, "full")
-    assert status == "0", output[-6000:]
-    assert "starting from scratch" in output
+    proc = finished_job(one_process_runs / "full")
+    assert "starting from scratch" in proc.stdout
     r = results(one_process_runs / "full")
     assert r["resumed_from"] is None and r["samples_seen"] == 2 * 1024
 
@@ -143,14 +131,14 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
     half_written = shutil.copytree(uninterrupted / "step_30", out / ".tmp-step_30")
     (half_written / "training_state.json").unlink()
     (half_written / "model.safetensors").write_bytes(b"\x00" * 10)
-    # sample_recorder.py runs the script unchanged and writes each process's exit status to exits.rank{N}.exit
-    command = ["bash", RESTART, "1", *launcher_args(2), REPO / "tests" / "sample_recorder.py", TRAIN_MNIST, "--cpu",
+    # jobs.py --alone runs the script unchanged and writes each process's exit status to exits.rank{N}.exit
+    command = ["bash", RESTART, "1", *launcher_args(2), JOBS, "--alone", exits, TRAIN_MNIST, "--cpu",
                "--data_dir", data, "--output_dir", out, *COMMON, "--resume_from_checkpoint", "latest",
                "--checkpoints_total_limit", "2", "--save_on_signal"]  # a stop that hangs: the 120 s below
     log = tmp_path / "restarts.log"
     with log.open("w") as output:  # a file, not a pipe: read while the job runs, drained by nothing
         job = subprocess.Popen([str(c) for c in command], cwd=REPO, stdout=output, stderr=subprocess.STDOUT,
-                               env={**os.environ, "SAMPLE_LOG": str(exits)}, start_new_session=True)
+                               start_new_session=True)
     try:
         # rank 1 found before its step_10, so that the signal lands at once: the run must not end first (96 steps)
         deadline = time.monotonic() + 120
@@ -166,7 +154,7 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
             time.sleep(0.02)
         took = time.monotonic() - signalled
         # the first attempt's state, read before the second attempt's processes end (and rewrite the exit files)
-        exit_statuses = [exits.with_name(f"exits.rank{rank}.exit").read_text() for rank in range(2)]
+        exit_statuses = read_job(exits, 2).statuses
         first_attempt = log.read_text(errors="replace")
         stopped = STOPPED_BY_SIGNAL.search(first_attempt)  # logged by rank 0, which got no signal
         assert stopped, first_attempt[-3000:]
@@ -182,7 +170,7 @@ def test_killed_rank_restarts_resumes_and_matches_the_uninterrupted_run(data, un
             job.wait()
     output = log.read_text(errors="replace")
     assert took < 30, f"{took:.0f} s: ended by a timeout, not by the trigger"
-    assert exit_statuses == ["143", "143"]
+    assert exit_statuses == [143, 143]
     assert first_exit[1] != "0"  # the launcher reports its workers' failure
     assert stopped[2] == str(saved) and saved_state["global_step"] == step
     assert random_states == {"random_states_0.pkl", "random_states_1.pkl"}
@@ -366,9 +354,9 @@ def holder_pid(output_dir) -> int | None:
 
 
 def test_diverging_loss_stops_with_the_step_and_last_good_checkpoint(one_process_runs):
-    status, output = ended(one_process_runs, "diverging")
-    out = one_process_runs / "diverging"
-    assert status == "1", output[-6000:]
+    proc = finished_job(one_process_runs / "diverging", fails=True)
+    output, out = proc.stdout, one_process_runs / "diverging"
+    assert proc.returncode == 1, output[-6000:]
     (line,) = [l for l in output.splitlines() if l.startswith("error: ")]
     assert "the loss became nan at step 2" in line and str(out / "step_1") in line, line
     assert "Traceback" not in output

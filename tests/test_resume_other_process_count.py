@@ -4,23 +4,21 @@ where the global batch cannot be kept one `error:` line names flags that keep it
 again, a mid-epoch resume with gradient accumulation is bit-exact. `latest` skips a damaged checkpoint
 (issue 23: its launched check is on this file's resume on 3 processes).
 
-The runs share launches, one per process count, each run a job of tests/sample_recorder.py --jobs (forked from
-processes that imported the libraries once): on 2 processes the uninterrupted runs and the resume that follows one
-(which also saves the epoch_0 the epoch-boundary resumes start from); then the resumes on 3 processes, on 4, and on 1,
-where the recorder runs alone (`python tests/sample_recorder.py`, as accelerate's one-process launcher runs
-a script)."""
+The runs share launches, one per process count, each run a job of tests/jobs.py (forked from processes that
+imported the libraries once): on 2 processes the uninterrupted runs and the resume that follows one (which also saves
+the epoch_0 the epoch-boundary resumes start from); then the resumes on 3 processes, on 4, and on 1, where the runner
+runs alone (`python tests/jobs.py`, as accelerate's one-process launcher runs a script)."""
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard, SeedableRandomSampler, SkipBatchSampler
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launcher_args, make_synthetic_mnist, results, run
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launcher_args, make_synthetic_mnist, results
 from image_data import make_split_image_folder
-from sample_recorder import finished_job, jobs_file
+from jobs import finished_job, launch_jobs
 
 from utils.errors import UserError
 from utils.run.checkpoints import check_checkpoint
@@ -28,7 +26,6 @@ from utils.run.progress import TrainingProgress
 from utils.run.resume import batches_to_skip, resolve_checkpoint
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 # 720 digits; 2 processes x 24 per batch x 3 accumulation steps = 144 samples per optimizer step:
 # 5 steps per epoch, and no padding on 1, 2, 3 or 4 processes (720 is a multiple of each global batch).
 MNIST_RUN = ["--epochs", "2", "--batch_size", "24", "--gradient_accumulation_steps", "3"]
@@ -66,23 +63,6 @@ def test_each_sample_is_trained_once_per_epoch_across_the_restart(num_processes,
     assert len(repeats) == padding and set(repeats) <= set(order[:padding + batch_size * num_processes])
 
 
-def run_jobs(jobs: dict, num_processes: int, folder, fails=()) -> None:
-    """tests/sample_recorder.py --jobs: each job {NAME: SCRIPT ARGS} in turn, in one launch on NUM_PROCESSES (on 1:
-    the recorder alone, as accelerate's one-process launcher runs a script), its output in FOLDER/NAME.log.rank{R}.out;
-    those named in `fails` must exit non-zero. Unchecked here: each test reads its job (finished)."""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [script, "--cpu", *args], "sample_log": folder / f"{name}.log", "timeout": 600, "fails": name in fails}
-        for name, (script, *args) in jobs.items()])
-    command = [*launcher_args(num_processes)] if num_processes > 1 else [sys.executable]
-    run([*command, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-        env={"OMP_NUM_THREADS": "1"} if num_processes == 1 else None)  # the one thread the launcher would give
-
-
-def finished(folder, name: str, num_processes: int, fails: bool = False) -> subprocess.CompletedProcess:
-    """Job NAME (its log: NAME.log) as a finished process (sample_recorder.finished_job)."""
-    return finished_job(folder / f"{name}.log", num_processes, fails)
-
-
 def _truncate_optimizer(checkpoint):
     with open(checkpoint / "optimizer.bin", "r+b") as f:
         f.truncate(1000)  # as a full disk or a copy cut short leaves it
@@ -116,14 +96,14 @@ def runs(tmp_path_factory):
     data = make_synthetic_mnist(tmp_path_factory.mktemp("resume_data"), num_train=720, num_test=101)
     images = make_split_image_folder(tmp_path_factory.mktemp("resume_images"))
     root, jobs = tmp_path_factory.mktemp("resume_runs"), tmp_path_factory.mktemp("resume_jobs")
-    mnist = [TRAIN_MNIST, "--data_dir", data, *MNIST_RUN]
-    run_jobs({
+    mnist = [TRAIN_MNIST, "--cpu", "--data_dir", data, *MNIST_RUN]
+    launch_jobs({
         "steps": [*mnist, "--output_dir", root / "steps", "--checkpointing_steps", "2"],
         "resumed_on_2": [*mnist, "--output_dir", root / "resumed_on_2", "--checkpointing_steps", "epoch",
                          "--resume_from_checkpoint", root / "steps" / "step_2"],
-        "classifier": [CLASSIFIER, "--data_dir", images, *CLASSIFIER_RUN, "--output_dir", root / "classifier",
-                       "--checkpointing_steps", "3"],
-    }, 2, jobs)
+        "classifier": [CLASSIFIER, "--cpu", "--data_dir", images, *CLASSIFIER_RUN, "--output_dir",
+                       root / "classifier", "--checkpointing_steps", "3"],
+    }, launcher_args(2), jobs)
     by_processes = {}
     for checkpoint, num_processes, flags, _ in RESUMES:
         name = f"{checkpoint}_on_{num_processes}"
@@ -141,10 +121,12 @@ def runs(tmp_path_factory):
     by_processes[1]["refused"] = [*mnist, "--batch_size", "40", "--output_dir", root / "refused",
                                   "--resume_from_checkpoint", "latest"]
     shutil.copytree(root / "classifier" / "step_3", root / "classifier_on_1" / "step_3")
-    by_processes[1]["classifier_on_1"] = [CLASSIFIER, "--data_dir", images, *CLASSIFIER_RUN, "--output_dir",
+    by_processes[1]["classifier_on_1"] = [CLASSIFIER, "--cpu", "--data_dir", images, *CLASSIFIER_RUN, "--output_dir",
                                           root / "classifier_on_1", "--resume_from_checkpoint", "latest"]
-    for num_processes in (3, 4, 1):
-        run_jobs(by_processes[num_processes], num_processes, jobs, fails=["refused"])
+    for num_processes in (3, 4):
+        launch_jobs(by_processes[num_processes], launcher_args(num_processes), jobs)
+    # on 1: the runner alone, with the one thread the launcher would give
+    launch_jobs(by_processes[1], [sys.executable], jobs, env={"OMP_NUM_THREADS": "1"})
     return root, jobs
 
 
@@ -152,8 +134,8 @@ def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bi
     """step_2 is 6 of each process's 15 batches into epoch 0, accumulating over 3: resumed on 2 processes again, the
     run ends with the uninterrupted run's weights, bit for bit."""
     root, jobs = runs
-    finished(jobs, "steps", 2)
-    finished(jobs, "resumed_on_2", 2)
+    finished_job(jobs / "steps", 2)
+    finished_job(jobs / "resumed_on_2", 2)
     resumed = root / "resumed_on_2"
     r, reference = results(resumed), results(root / "steps")
     assert r["num_processes"] == 2 and r["gradient_accumulation_steps"] == 3 and r["resumed_from"].endswith("step_2")
@@ -168,7 +150,7 @@ def test_mid_epoch_resume_with_gradient_accumulation_on_the_same_processes_is_bi
 def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(runs, tmp_path):
     root, jobs = runs
     out = root / "step_2_on_3"
-    log = finished(jobs, "step_2_on_3", 3).stderr  # every process's output
+    log = finished_job(jobs / "step_2_on_3", 3).stdout  # every process's output
     # one warning line, in the run's log format (time, level, message)
     skipped = [line.split(" WARNING ", 1)[1] for line in log.splitlines() if "skipping damaged checkpoint" in line]
     assert skipped == ["--resume_from_checkpoint latest: skipping damaged checkpoint step_4 (optimizer.bin has 1000 "
@@ -191,7 +173,7 @@ def test_latest_skips_a_truncated_checkpoint_and_a_named_one_is_refused(runs, tm
 def test_train_mnist_resumes_on_another_number_of_processes(runs, checkpoint, num_processes, flags, accumulation):
     root, jobs = runs
     name = f"{checkpoint}_on_{num_processes}"
-    proc, out = finished(jobs, name, num_processes), root / name
+    proc, out = finished_job(jobs / name, num_processes), root / name
     source = root / ("steps" if checkpoint.startswith("step") else "resumed_on_2")
     r, reference = results(out), results(source)
     assert r["num_processes"] == num_processes and r["resumed_from"].endswith(checkpoint)
@@ -203,7 +185,7 @@ def test_train_mnist_resumes_on_another_number_of_processes(runs, checkpoint, nu
     # the padding dropped), and every replica holds the same weights
     assert r["eval_samples"] == 101 and r["eval_accuracy"] > 0.9
     assert len(r["parameter_fingerprints"]) == num_processes and len(set(r["parameter_fingerprints"])) == 1
-    adjusted = f"--gradient_accumulation_steps {accumulation} keeps the checkpoint's global batch" in proc.stderr
+    adjusted = f"--gradient_accumulation_steps {accumulation} keeps the checkpoint's global batch" in proc.stdout
     assert adjusted == (not flags)  # said when the accumulation was changed, not when the flags already fit
     saved = json.loads((out / checkpoint / "training_state.json").read_text())
     assert saved["num_processes"] == 2 and saved["global_batch_size"] == 144
@@ -212,7 +194,7 @@ def test_train_mnist_resumes_on_another_number_of_processes(runs, checkpoint, nu
 def test_a_global_batch_that_cannot_be_kept_names_the_flags_that_keep_it(runs):
     root, jobs = runs
     # refused before training: the script alone (a resume's refusal is launched by test_errors.py)
-    proc = finished(jobs, "refused", 1, fails=True)
+    proc = finished_job(jobs / "refused", 1, fails=True)
     # 144 samples on 1 process: 40 does not divide them, 36 x 4 does
     assert_clean_user_error(proc, "global batch is 144", "--batch_size 36 --gradient_accumulation_steps 4")
     assert not (root / "refused" / "results.json").exists()
@@ -222,8 +204,8 @@ def test_train_image_classifier_resumes_mid_epoch_on_one_process(runs):
     """240 training images, 2 processes x 8 x 2 = 32 per step: 7 steps per epoch on any process count
     (whole global batches only; the 16 images left over change with each epoch's shuffle)."""
     root, jobs = runs
-    finished(jobs, "classifier", 2)
-    finished(jobs, "classifier_on_1", 1)
+    finished_job(jobs / "classifier", 2)
+    finished_job(jobs / "classifier_on_1", 1)
     r, reference = results(root / "classifier_on_1"), results(root / "classifier")
     assert r["num_processes"] == 1 and r["gradient_accumulation_steps"] == 4
     assert r["global_step"] == r["lr_scheduler_steps"] == reference["global_step"] == 2 * 7

@@ -1,32 +1,26 @@
-"""Which samples each process trains, by sample id (tests/sample_recorder.py logs every fetch of the training
-dataset per process): both scripts train each sample exactly once per epoch on 2 and 3 processes, also across a
+"""Which samples each process trains, by sample id (tests/sample_recording.py logs every fetch of the
+training dataset per process): both scripts train each sample exactly once per epoch on 2 and 3 processes, also across a
 mid-epoch resume (here onto another process count), and the last batches are padded exactly as Accelerate's
 even_batches documents (train_mnist.py) or dropped (train_image_classifier.py). The same runs pin what per-step
 bookkeeping would get wrong silently: the scheduler and clipping once per optimizer step, the accumulation cycle
 restarted by a resume, set_epoch reaching the dataset's augmentations.
 
-Every run here is one job of the two launches in `launches` (tests/sample_recorder.py --jobs): the 2-process runs in
-one launch, the 3-process runs (the resumes among them) in the next, each process importing torch and Accelerate once.
+Every run here is one job of the two launches in `launches` (tests/jobs.py): the 2-process runs in one launch, the
+3-process runs (the resumes among them) in the next, each process importing torch and Accelerate once.
 
 "Global order": the batches of all processes interleaved round-robin (batch k of rank r is global batch
 k * num_processes + r, as BatchSamplerShard deals them), i.e. the epoch's shuffle as the batch sampler read it.
 """
 
 import json
-import os
-import signal
-import subprocess
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, exit_check_env, launcher_args, results, threads_left_message
+from helpers import REPO, launcher_args, results
 from image_data import make_split_image_folder
-from sample_recorder import finished_job, job_outcome, jobs_file
+from jobs import finished_job, launch_jobs
 
-RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_MNIST = REPO / "scripts" / "train_mnist.py"
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 N = 96  # training samples: divides every global batch below, so there is no padding in these runs
@@ -37,40 +31,21 @@ MNIST = ["--max_train_samples", N, *COMMON, "--max_eval_samples", "30", "--max_g
 # The classifier's runs: 4 more images, which no whole global batch takes (24 per optimizer step, and 12 or 24 per
 # round of batches on 2 or 3 processes): drop_last leaves them out of each epoch; the same counts otherwise.
 CLASSIFIER_N = N + 4
-CLASSIFIER_ARGS = ["--max_train_samples", CLASSIFIER_N, *COMMON, "--model", "tests.sample_recorder:tiny_cnn",
+CLASSIFIER_ARGS = ["--max_train_samples", CLASSIFIER_N, *COMMON, "--model", "tests.tiny_model:tiny_cnn",
                    "--image_size", "16", "--optimizer", "adamw", "--warmup_epochs", "0"]
 
 
+# Processes out of step (a bug) fail after --ddp_timeout 120; a run still going at JOB_TIMEOUT is killed. 120 s, from
+# what these runs wait in a collective on 2 cores loaded to a load average of 8-15 (issue 30, stacks sampled every
+# second in 4 resumed 3-process runs): at most 2 s once training, but up to 33 s at the start in main_process_first's
+# barrier (rank 0 builds the datasets, the model and the metric, the others wait), then up to 37 s for rank 0 in DDP's
+# parameter check while the others build theirs. At 60 s that left a margin of 1.6.
 JOB_TIMEOUT = 360  # s, a run's (each was a launch of its own, with this limit)
 
 
-def launch_recorded(jobs, num_processes, folder):
-    """accelerate launch the recorder with these jobs (script, args, log): one run after the other, in one launch;
-    unchecked: a test reads what a broken run left (assert_ok). Processes out of step (a bug) fail after --ddp_timeout
-    120; a run still going at JOB_TIMEOUT is killed, the whole launch if it still runs at JOB_TIMEOUT per run.
-
-    120 s, from what these runs wait in a collective on 2 cores loaded to a load average of 8-15 (issue 30, stacks
-    sampled every second in 4 resumed 3-process runs): at most 2 s once training, but up to 33 s at the start in
-    main_process_first's barrier (rank 0 builds the datasets, the model and the metric, the others wait), then up to
-    37 s for rank 0 in DDP's parameter check while the others build theirs. At 60 s that left a margin of 1.6.
-
-    Started as tests/helpers.run starts a command (its exit check: no gloo thread alive at any process's exit), but in
-    a session of its own, so that a run past its time is killed with all its processes."""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [script, "--cpu", *args, "--ddp_timeout", "120"], "sample_log": log,
-         "timeout": JOB_TIMEOUT} for script, args, log in jobs])
-    cmd = [*launcher_args(num_processes), RECORDER, "--jobs", manifest]
-    with tempfile.TemporaryDirectory(prefix="exit_check_") as exit_check_dir:
-        job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, errors="replace", env=exit_check_env(exit_check_dir), start_new_session=True)
-        try:
-            stdout, stderr = job.communicate(timeout=JOB_TIMEOUT * len(jobs))
-        except subprocess.TimeoutExpired:
-            os.killpg(job.pid, signal.SIGKILL)  # the launcher and its workers
-            stdout, stderr = job.communicate()
-        threads_left = [path.read_text() for path in Path(exit_check_dir).iterdir()]
-    assert job.returncode != 0 or not threads_left, threads_left_message(threads_left)
-    return subprocess.CompletedProcess(cmd, job.returncode, stdout, stderr)
+def recorded(script, *args) -> dict:
+    """A job of `launches`: SCRIPT --cpu ARGS, its training samples recorded."""
+    return {"argv": [script, "--cpu", *args, "--ddp_timeout", "120"], "record_samples": True, "timeout": JOB_TIMEOUT}
 
 
 def fetched(log, rank, worker=None):
@@ -86,15 +61,6 @@ def global_order(per_rank, batch_size):
     assert len(lengths) == 1 and lengths.pop() % batch_size == 0, [len(ids) for ids in per_rank]
     rounds = len(per_rank[0]) // batch_size
     return [i for k in range(rounds) for ids in per_rank for i in ids[k * batch_size:(k + 1) * batch_size]]
-
-
-def assert_ok(log, num_processes):
-    """Every process of the run logging to `log` exited 0; else the end of each one's output, with the stacks that
-    tests/sample_recorder.py prints for a stopped process."""
-    statuses, outputs = job_outcome(log, num_processes)
-    if statuses != [0] * num_processes:
-        raise AssertionError("\n".join(f"{log.name}.rank{rank}.out: {text[-6000:] or 'absent'}"
-                                        for rank, text in enumerate(outputs)))
 
 
 def training_state(checkpoint):
@@ -122,24 +88,23 @@ def launches(synthetic_mnist, tmp_path_factory):
     data = make_split_image_folder(classifier / "data", train_per_class=CLASSIFIER_N // 4, val_per_class=2)
 
     def padded(processes):
-        return (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / f"padded{processes}",
-                              "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1",
-                              "--batch_size", "8"], mnist / f"padded{processes}.log")
+        return recorded(TRAIN_MNIST, "--data_dir", synthetic_mnist, "--output_dir", mnist / f"padded{processes}",
+                        "--max_train_samples", "50", "--max_eval_samples", "30", "--epochs", "1", "--batch_size", "8")
 
-    launch_recorded([
-        (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / "full", *MNIST], mnist / "full.log"),
-        padded(2),
-        (CLASSIFIER, ["--data_dir", data, "--output_dir", classifier / "full", *CLASSIFIER_ARGS, "--num_workers", "0"],
-         classifier / "full.log"),
-    ], 2, root)
-    launch_recorded([
-        (TRAIN_MNIST, ["--data_dir", synthetic_mnist, "--output_dir", mnist / "resumed", *MNIST, "--batch_size", "2",
-                       "--resume_from_checkpoint", mnist / "full" / "step_1"], mnist / "resumed.log"),
-        padded(3),
-        (CLASSIFIER, ["--data_dir", data, "--output_dir", classifier / "resumed", *CLASSIFIER_ARGS, "--batch_size", "8",
-                      "--num_workers", "2", "--resume_from_checkpoint", classifier / "full" / "step_1"],
-         classifier / "resumed.log"),
-    ], 3, root)
+    launch_jobs({
+        "mnist/full": recorded(TRAIN_MNIST, "--data_dir", synthetic_mnist, "--output_dir", mnist / "full", *MNIST),
+        "mnist/padded2": padded(2),
+        "classifier/full": recorded(CLASSIFIER, "--data_dir", data, "--output_dir", classifier / "full",
+                                    *CLASSIFIER_ARGS, "--num_workers", "0"),
+    }, launcher_args(2), root)
+    launch_jobs({
+        "mnist/resumed": recorded(TRAIN_MNIST, "--data_dir", synthetic_mnist, "--output_dir", mnist / "resumed",
+                                  *MNIST, "--batch_size", "2", "--resume_from_checkpoint", mnist / "full" / "step_1"),
+        "mnist/padded3": padded(3),
+        "classifier/resumed": recorded(CLASSIFIER, "--data_dir", data, "--output_dir", classifier / "resumed",
+                                       *CLASSIFIER_ARGS, "--batch_size", "8", "--num_workers", "2",
+                                       "--resume_from_checkpoint", classifier / "full" / "step_1"),
+    }, launcher_args(3), root)
     return mnist, classifier
 
 
@@ -147,13 +112,13 @@ def launches(synthetic_mnist, tmp_path_factory):
 def mnist_runs(launches):
     """train_mnist.py's runs: their folder, and (log, processes) of the 2-process run and of its 3-process resume."""
     root = launches[0]
-    return root, (root / "full.log", 2), (root / "resumed.log", 3)
+    return root, (root / "full", 2), (root / "resumed", 3)
 
 
 def test_train_mnist_trains_each_sample_once_per_epoch_on_2_processes(mnist_runs):
     root, full, _ = mnist_runs
-    assert_ok(*full)
-    per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    finished_job(*full)
+    per_rank = [[index for _, index in fetched(root / "full", rank)] for rank in range(2)]
     assert [len(ids) for ids in per_rank] == [2 * 48, 2 * 48]  # 8 batches of 6 per process and epoch
     epochs = [global_order([ids[e * 48:(e + 1) * 48] for ids in per_rank], 6) for e in range(2)]
     for order in epochs:
@@ -167,11 +132,11 @@ def test_train_mnist_mid_epoch_resume_on_3_processes_trains_the_rest_of_the_same
     """The resumed run trains exactly the uninterrupted run's global order after its first optimizer step (24
     samples), then all of epoch 1 in the same order: whatever the process count, no sample twice or never."""
     root, full, resumed = mnist_runs
-    assert_ok(*full)
-    assert_ok(*resumed)
-    before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    finished_job(*full)
+    finished_job(*resumed)
+    before = [[index for _, index in fetched(root / "full", rank)] for rank in range(2)]
     uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
-    after = [[index for _, index in fetched(root / "resumed.log", rank)] for rank in range(3)]
+    after = [[index for _, index in fetched(root / "resumed", rank)] for rank in range(3)]
     # 3 processes x 2 per batch: 16 batches each per epoch; the first 4 (24 samples) are skipped in epoch 0
     assert [len(ids) for ids in after] == [24 + 32] * 3
     resumed_epoch_0 = global_order([ids[:24] for ids in after], 2)
@@ -191,8 +156,8 @@ def test_train_mnist_pads_the_last_round_with_the_epochs_first_samples(processes
     once, then its first 14 (22) samples again, completing the batch of 2 and whole batches after it, and nothing
     else. What the script's docstring and docs/data_and_evaluation.md ("Uneven data") say."""
     root = mnist_runs[0]
-    log = root / f"padded{processes}.log"
-    assert_ok(log, processes)
+    log = root / f"padded{processes}"
+    finished_job(log, processes)
     per_rank = [[index for _, index in fetched(log, rank)] for rank in range(processes)]
     order = global_order(per_rank, 8)
     assert len(order) == 50 + padding
@@ -214,14 +179,14 @@ def test_train_mnist_steps_the_scheduler_once_per_optimizer_step(mnist_runs):
         optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
         assert {int(s["step"]) for s in optimizer["state"].values()} == {step}  # AdamW's own count
         assert training_state(checkpoint)["global_step"] == step
-    assert_ok(*full)
+    finished_job(*full)
 
 
 def test_train_mnist_clips_once_per_optimizer_step(mnist_runs):
     """--max_grad_norm 1e-6: every norm recorded exceeds it, so steps_clipped counts the norms recorded in the last
     epoch; clipping on the accumulation micro-steps too would record 8."""
     root, full, _ = mnist_runs
-    assert_ok(*full)
+    finished_job(*full)
     r = results(root / "full")
     assert r["steps_clipped"] == 4  # optimizer steps per epoch
     assert r["grad_norm_max"] >= r["grad_norm_mean"] > 1e-6
@@ -234,7 +199,7 @@ def test_train_mnist_resume_starts_a_fresh_accumulation_cycle(mnist_runs):
     root, _, resumed = mnist_runs
     state = training_state(root / "resumed" / "step_2")
     assert (state["global_step"], state["samples_in_epoch"], state["samples_seen"]) == (2, 48, 48)
-    assert_ok(*resumed)
+    finished_job(*resumed)
     r = results(root / "resumed")
     assert r["global_step"] == 8 and r["samples_seen"] == 2 * N
 
@@ -247,15 +212,15 @@ def classifier_runs(launches):
     """train_image_classifier.py's runs (see launches): their folder, and (log, processes) of the 2-process run and of
     its 3-process resume."""
     root = launches[1]
-    return root, (root / "full.log", 2), (root / "resumed.log", 3)
+    return root, (root / "full", 2), (root / "resumed", 3)
 
 
 def test_classifier_trains_each_image_once_per_epoch_on_2_processes_with_that_epochs_augmentations(classifier_runs):
     """On 2+ processes Accelerate's set_epoch reaches the sampler only; the script's train_dataset.set_epoch is
     what makes epoch 1 draw new augmentations (the epoch each image is augmented with is the dataset's own)."""
     root, full, _ = classifier_runs
-    assert_ok(*full)
-    records = [fetched(root / "full.log", rank) for rank in range(2)]
+    finished_job(*full)
+    records = [fetched(root / "full", rank) for rank in range(2)]
     for per_process in records:
         assert [epoch for epoch, _ in per_process] == [0] * 48 + [1] * 48
     per_rank = [[index for _, index in per_process] for per_process in records]
@@ -273,13 +238,13 @@ def test_classifier_mid_epoch_resume_on_3_processes_with_workers_trains_the_rest
     with the right epoch in the worker processes too; and on 3 processes, too, the shuffle's last 4 images (an
     incomplete round of 3 batches of 8) are left out, the same 4 as on 2 processes."""
     root, full, resumed = classifier_runs
-    assert_ok(*full)
-    assert_ok(*resumed)
-    before = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+    finished_job(*full)
+    finished_job(*resumed)
+    before = [[index for _, index in fetched(root / "full", rank)] for rank in range(2)]
     uninterrupted = [global_order([ids[e * 48:(e + 1) * 48] for ids in before], 6) for e in range(2)]
     for rank in range(3):
-        records = [record for worker in range(2) for record in fetched(root / "resumed.log", rank, worker)]
-        assert not fetched(root / "resumed.log", rank), "decoded in the main process despite --num_workers 2"
+        records = [record for worker in range(2) for record in fetched(root / "resumed", rank, worker)]
+        assert not fetched(root / "resumed", rank), "decoded in the main process despite --num_workers 2"
         by_epoch = Counter(epoch for epoch, _ in records)
         assert by_epoch == {0: 3 * 8, 1: 4 * 8}, by_epoch  # 12 batches of 8 per epoch over 3 processes, 1 skipped
         for epoch, first_batch in ((0, 1), (1, 0)):
@@ -300,14 +265,14 @@ def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
     say. Read from the runs above: epochs 0 and 1 of the 2-process run, epoch 1 of the resumed 3-process run (whole;
     its DataLoader workers' logs)."""
     root, full, resumed = classifier_runs
-    assert_ok(*full)
-    assert_ok(*resumed)
+    finished_job(*full)
+    finished_job(*resumed)
     if processes == 2:
-        per_rank = [[index for _, index in fetched(root / "full.log", rank)] for rank in range(2)]
+        per_rank = [[index for _, index in fetched(root / "full", rank)] for rank in range(2)]
         epochs = [[i for ids in per_rank for i in ids[e * 48:(e + 1) * 48]] for e in range(2)]
         assert [len(ids) for ids in per_rank] == [2 * 48] * 2
     else:
-        per_rank = [[index for worker in range(2) for epoch, index in fetched(root / "resumed.log", rank, worker)
+        per_rank = [[index for worker in range(2) for epoch, index in fetched(root / "resumed", rank, worker)
                      if epoch == 1] for rank in range(3)]
         epochs = [[i for ids in per_rank for i in ids]]
         assert [len(ids) for ids in per_rank] == [32] * 3
@@ -317,33 +282,3 @@ def test_classifier_drops_the_last_incomplete_round(processes, classifier_runs):
     r = results(root / ("full" if processes == 2 else "resumed"))
     assert r["num_processes"] == processes and r["train_size"] == CLASSIFIER_N and r["samples_seen"] == 2 * N
     assert r["global_step"] == 2 * N // 24  # 2 epochs of 96 images, 24 per optimizer step
-
-
-def test_job_outcome_reads_every_rank_of_a_forked_job(tmp_path):
-    """sample_recorder.job_outcome, which every jobs launch's reader asserts on: each rank's own exit status and output
-    (a rank that wrote no exit status, killed at its timeout: None), rank 0 first."""
-    for rank, status in ((0, "0"), (1, "1")):
-        (tmp_path / f"job.log.rank{rank}.exit").write_text(status)
-        (tmp_path / f"job.log.rank{rank}.out").write_text(f"rank {rank}\n")
-    assert job_outcome(tmp_path / "job.log", 3) == ([0, 1, None], ["rank 0\n", "rank 1\n", ""])
-
-
-def test_finished_job_asserts_every_rank_ended_as_expected(tmp_path):
-    """sample_recorder.finished_job, which the files that launch jobs assert with: every rank ended, all with the same
-    status, non-zero exactly when the job `fails`; every rank's output, rank 0 first."""
-    def job(*statuses):  # a job's files, as run_jobs leaves them; None: a rank killed at its timeout
-        folder = tmp_path / "_".join(map(str, statuses))
-        folder.mkdir(exist_ok=True)
-        for rank, status in enumerate(statuses):
-            if status is not None:
-                (folder / f"job.log.rank{rank}.exit").write_text(str(status))
-            (folder / f"job.log.rank{rank}.out").write_text(f"rank {rank}\n")
-        return folder / "job.log"
-
-    proc = finished_job(job(0, 0), 2)
-    assert (proc.returncode, proc.stderr) == (0, "rank 0\nrank 1\n")
-    assert finished_job(job(1, 1), 2, fails=True).returncode == 1
-    for statuses, fails in (((0, 1), False), ((1, 0), True), ((0, None), False), ((1, None), True), ((1, 1), False),
-                            ((0, 0), True), ((None, None), True)):
-        with pytest.raises(AssertionError, match=r"exited \["):
-            finished_job(job(*statuses), len(statuses), fails=fails)

@@ -4,8 +4,8 @@ training-loss logs every N steps, to the trackers and the log, exact over all pr
 evaluation; a resume from a step checkpoint that ends as the uninterrupted run, and one after the end that trains
 nothing. The plan step by step, and the checkpoints saved before these fields existed.
 
-Processes: the 2-process runs are the jobs of one launch (`two_process_runs`: tests/sample_recorder.py --jobs through
-tests/test_predict.py's launch_jobs, each launched process importing torch and Accelerate once, then forking one child
+Processes: the 2-process runs are the jobs of one launch (`two_process_runs`: tests/jobs.py's launch_jobs,
+each launched process importing torch and Accelerate once, then forking one child
 per job): the 7-step run, its resume from step 5 right after it, the same steps without step evaluations or logs, and
 the classifier's early stopping. The 1-process resume from step 7 runs alone (run_alone: no launcher around it)."""
 
@@ -16,9 +16,18 @@ import re
 import shutil
 
 import pytest
-from helpers import REPO, TRAIN_MNIST, make_synthetic_mnist, results, run_alone, snapshot, tensorboard_scalars
+from helpers import (
+    REPO,
+    TRAIN_MNIST,
+    launcher_args,
+    make_synthetic_mnist,
+    results,
+    run_alone,
+    snapshot,
+    tensorboard_scalars,
+)
 from image_data import make_split_image_folder
-from test_predict import job, launch_jobs
+from jobs import finished_job, launch_jobs
 from test_run_records import decide
 
 from utils.launch.flags import HIGHER_IS_BETTER
@@ -51,7 +60,7 @@ def two_process_runs(digits, tmp_path_factory):
     logged every 2 (seven_steps/); its step_5 resumed in a new folder (resumed/; the checkpoint named, not copied
     there for 'latest': it is saved only by the job before, inside the launch); the same 7 steps evaluated at the
     epochs' ends only, without logs or checkpoints (plain/); the classifier's early stopping (early_stopping/).
-    Returns its folder; each test reads its job (test_predict.job: every process exited 0)."""
+    Returns its folder; each test reads its job (jobs.finished_job: every process exited 0)."""
     root = tmp_path_factory.mktemp("step_runs")
     # the classifier evaluated after every step on 1 image (test_early_stopping_counts_evaluations_...)
     images = make_split_image_folder(root / "images", train_per_class=8, val_per_class=2)
@@ -63,11 +72,11 @@ def two_process_runs(digits, tmp_path_factory):
                   "64", "--max_eval_samples", "37", "--batch_size", "8", "--max_steps", "7", "--lr_scheduler_type",
                   "linear", "--with_tracking"],
         "early_stopping": [CLASSIFIER, "--cpu", "--data_dir", images, "--output_dir", root / "early_stopping",
-                           "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0",
+                           "--model", "tests.tiny_model:tiny_cnn", "--image_size", "16", "--num_workers", "0",
                            "--batch_size", "4", "--optimizer", "adamw", "--learning_rate", "0.01", "--max_steps", "12",
                            "--eval_steps", "1", "--max_eval_samples", "1", "--metric_for_best", "eval_accuracy",
                            "--early_stopping_patience", "2", "--logging_steps", "2", "--with_tracking"],
-    }, 2, root)
+    }, launcher_args(2), root)
     return root
 
 
@@ -75,7 +84,7 @@ def two_process_runs(digits, tmp_path_factory):
 def seven_steps(two_process_runs):
     """(output_dir, log) of train_mnist.py on 2 processes, 7 optimizer steps, evaluated every 3, logged every 2; log:
     what both processes printed."""
-    return two_process_runs / "seven_steps", job(two_process_runs, "seven_steps", 2).stdout
+    return two_process_runs / "seven_steps", finished_job(two_process_runs / "seven_steps", 2).stdout
 
 
 # ---------------------------------------------------------------- the plan, and old checkpoints
@@ -149,7 +158,7 @@ def test_eval_steps_evaluates_every_n_steps_and_at_the_end_with_best_kept_by_ste
 def test_evaluating_and_logging_every_n_steps_change_nothing_of_the_training(seven_steps, two_process_runs):
     """The same 7 steps evaluated at the epochs' ends only (4, and 7: the end of the run) and without logs or
     checkpoints (job plain): the same weights, bit for bit (the model trains on in train mode after each evaluation)."""
-    job(two_process_runs, "plain", 2)
+    finished_job(two_process_runs / "plain", 2)
     out = two_process_runs / "plain"
     assert (out / "model.safetensors").read_bytes() == (seven_steps[0] / "model.safetensors").read_bytes()
     assert [step for step, _ in tensorboard_scalars(out / "train_mnist", "eval_loss")] == [4, 7]
@@ -176,7 +185,7 @@ def test_a_run_resumed_from_a_step_checkpoint_ends_as_the_uninterrupted_one(seve
     the same log of step 6 (the logging window since step 4 was in the checkpoint), the same evaluations and best/."""
     full, full_log = seven_steps
     resumed = two_process_runs / "resumed"
-    proc = job(two_process_runs, "resumed", 2)
+    proc = finished_job(two_process_runs / "resumed", 2)
     assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     after_5 = [line for line in logged(full_log) if line[1] >= 6 or line[0] == "epoch" and line[1] == 1]
     assert logged(proc.stdout) == after_5
@@ -213,7 +222,7 @@ def test_early_stopping_counts_evaluations_and_stops_every_process_after_the_sam
     """The classifier on 2 processes (job early_stopping), evaluated after every step on 1 image: its accuracy, 0 or 1,
     can improve once at most, so patience 2 ends the run by step 5 of 12, inside an epoch; where, the evaluations
     say."""
-    proc = job(two_process_runs, "early_stopping", 2)
+    proc = finished_job(two_process_runs / "early_stopping", 2)
     out = two_process_runs / "early_stopping"
     r = results(out)
     accuracy = tensorboard_scalars(out / "train_image_classifier", "eval_accuracy")

@@ -3,11 +3,12 @@ sizes, read as this process's part of a shuffled stream. Every process takes the
 process's part runs out first), each image is trained at most once per epoch, a run resumed from a checkpoint inside
 an epoch ends with the uninterrupted run's weights, and evaluation stays exact.
 
-Images: 16 px, each unique (random noise), so that the CRC-32 of its file, which tests/sample_recorder.py logs, names it.
+Images: 16 px, each unique (random noise), so that the CRC-32 of its file, which tests/sample_recording.py logs, names
+it.
 
-Every run here is one job of the three launches in `runs` (tests/sample_recorder.py --jobs): the 2-process runs in
-one launch, the 3-process run in another, then the 1-process ones (one refuses to resume the 2-process run's
-checkpoint), each process importing torch and Accelerate once.
+Every run here is one job of the three launches in `runs` (tests/jobs.py): the 2-process runs in one launch, the
+3-process run in another, then the 1-process ones (one refuses to resume the 2-process run's checkpoint), each process
+importing torch and Accelerate once.
 """
 
 import csv
@@ -21,14 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, launcher_args, load_script, results, run
+from helpers import REPO, launcher_args, load_script, results
 from image_data import CLASSES, draw_example, grid_cell_png, make_split_image_folder
-from sample_recorder import job_outcome, jobs_file
+from jobs import finished_job, launch_jobs
 
-RECORDER = REPO / "tests" / "sample_recorder.py"
 TRAIN_IMAGE_CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 PREDICT = REPO / "scripts" / "predict.py"
-RUN = ["--streaming", "--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--batch_size", "2",
+RUN = ["--streaming", "--model", "tests.tiny_model:tiny_cnn", "--image_size", "16", "--batch_size", "2",
        "--optimizer", "adamw", "--num_workers", "0", "--ddp_timeout", "60"]  # a hang: an error within a minute
 
 
@@ -58,31 +58,14 @@ def write_tar_shards(root, sizes, test_size: int = 6, seed: int = 0) -> dict:
     return keys
 
 
-def recorded(*args) -> list:
+def streamed(*args) -> list:
     """A job's SCRIPT ARGS: train_image_classifier.py with RUN and `args`."""
     return [TRAIN_IMAGE_CLASSIFIER, "--cpu", *RUN, *args]
 
 
-def launch_recorded(jobs: dict, num_processes: int, folder, fails=()):
-    """One launch of tests/sample_recorder.py --jobs: each job {name: SCRIPT ARGS} in turn, logging to FOLDER/NAME.log
-    (its rank 0's output: output(folder, name)); those named in `fails` must exit non-zero. A run still going at 600 s
-    is killed (each was a launch of its own, with helpers.run's limit). Unchecked: each test checks its jobs (ran)."""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": argv, "sample_log": folder / f"{name}.log", "timeout": 600, "fails": name in fails}
-        for name, argv in jobs.items()])
-    return run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs))
-
-
-def output(folder, name) -> str:
-    """What rank 0 of job NAME printed (stdout and stderr)."""
-    return (folder / f"{name}.log.rank0.out").read_text()
-
-
-def ran(folder, name, num_processes: int) -> str:
-    """Every process of job NAME exited 0; its rank 0's output."""
-    statuses, outputs = job_outcome(folder / f"{name}.log", num_processes)
-    assert statuses == [0] * num_processes, "\n".join(text[-6000:] for text in outputs)
-    return outputs[0]
+def recorded(*args) -> dict:
+    """streamed(*args) as a job whose decoded training images are logged (fetched)."""
+    return {"argv": streamed(*args), "record_samples": True}
 
 
 def fetched(log, num_processes: int) -> dict:
@@ -150,7 +133,7 @@ def write_parquet_files(root) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every launched run of this file, as jobs of 3 launches (2 processes, 3 processes, then 1 process): the data each
-    test's docstring describes, written first; returns the folder (each run's output in it: NAME, its logs NAME.log*)
+    test's docstring describes, written first; returns the folder (each run's output in it: NAME, its files NAME.*)
     and the training images' keys by data set."""
     root = tmp_path_factory.mktemp("streaming")
     keys = {f"{len(sizes)}_shards": write_tar_shards(root / f"{len(sizes)}_shards", sizes)
@@ -167,26 +150,26 @@ def runs(tmp_path_factory):
                         "--output_dir", root / f"{len(sizes)}_shards_out")
 
     resume = resume_run_args(root / "4_shards")
-    launch_recorded({
+    launch_jobs({
         "3_shards": split(2),
-        "full": recorded(*resume, "--output_dir", root / "full"),
-        "resumed": recorded(*resume, "--output_dir", root / "resumed",
+        "full": streamed(*resume, "--output_dir", root / "full"),
+        "resumed": streamed(*resume, "--output_dir", root / "resumed",
                             "--resume_from_checkpoint", root / "full" / "step_4"),
         "images": recorded("--data_dir", folder, "--max_steps", 3, "--output_dir", root / "images_out"),
-    }, 2, root)
-    launch_recorded({"2_shards": split(3)}, 3, root)
+    }, launcher_args(2), root)
+    launch_jobs({"2_shards": split(3)}, launcher_args(3), root)
     (root / "one").mkdir()  # the 2-process run's step_4 alone, resumed on 1 process
     shutil.copytree(root / "full" / "step_4", root / "one" / "step_4")
     integer_label_run = [*INTEGER_LABEL_RUN, "--dataset", integer_labels]
-    launch_recorded({
-        "one": recorded(*resume, "--output_dir", root / "one", "--resume_from_checkpoint", "latest"),
+    launch_jobs({
+        "one": streamed(*resume, "--output_dir", root / "one", "--resume_from_checkpoint", "latest"),
         "parquet": recorded("--dataset", root / "parquet", "--max_steps", 4, "--output_dir", root / "parquet_out"),
         "streamed": [TRAIN_IMAGE_CLASSIFIER, "--cpu", *integer_label_run, "--streaming", "--output_dir",
                      root / "streamed"],
         "plain": [TRAIN_IMAGE_CLASSIFIER, "--cpu", *integer_label_run, "--output_dir", root / "plain"],
         "predict": [PREDICT, "--cpu", "--model_dir", root / "streamed", "--dataset", integer_labels, "--output_file",
                     root / "predictions.csv", "--num_workers", "0"],
-    }, 1, root, fails=["one"])
+    }, launcher_args(1), root)
     return root, keys
 
 
@@ -196,8 +179,8 @@ def test_every_process_takes_the_same_steps_and_each_image_is_read_once_per_epoc
         runs, num_processes, shard_sizes, per_rank, steps_per_epoch, max_steps):
     root, keys = runs
     name = f"{len(shard_sizes)}_shards"
-    log, out = root / f"{name}.log", root / f"{name}_out"
-    proc_output = ran(root, name, num_processes)
+    log, out = root / name, root / f"{name}_out"
+    proc_output = finished_job(root / name, num_processes).outputs[0]
     epochs = -(-max_steps // steps_per_epoch)
     r = results(out)
     assert (r["global_step"], r["epochs"], r["samples_seen"]) == (max_steps, epochs, max_steps * 2 * num_processes)
@@ -227,12 +210,13 @@ def test_a_run_resumed_inside_an_epoch_ends_with_the_uninterrupted_runs_weights(
     skips its first cycle, ends the same. On 1 process (step_4 alone in a folder, resumed as `latest`): one line."""
     root, _ = runs
     full, resumed = root / "full", root / "resumed"
-    assert epoch_lines(ran(root, "full", 2)) == [0, 1, 2]
+    assert epoch_lines(finished_job(root / "full", 2).outputs[0]) == [0, 1, 2]
     state = json.loads((full / "step_4" / "training_state.json").read_text())
     assert (state["epoch"], state["samples_in_epoch"]) == (1, 8)  # one step of 2 processes x 2 batches x 2 images
-    assert (root / "one.log.rank0.exit").read_text() != "0" and "error: a --streaming run resumes on the process " \
-        "count that saved its checkpoint (2, not 1): it splits the stream" in output(root, "one")
-    resumed_output = ran(root, "resumed", 2)
+    refused = finished_job(root / "one", 1, fails=True)
+    assert refused.returncode != 0 and "error: a --streaming run resumes on the process count that saved its " \
+        "checkpoint (2, not 1): it splits the stream" in refused.stdout
+    resumed_output = finished_job(root / "resumed", 2).outputs[0]
     assert (resumed / "model.safetensors").read_bytes() == (full / "model.safetensors").read_bytes()
     r, rr = results(full), results(resumed)
     for key in ("global_step", "epochs", "samples_seen", "train_loss", "eval_loss", "eval_accuracy", "eval_samples"):
@@ -250,11 +234,11 @@ def test_parquet_shards_and_the_refusals(runs, tmp_path, capsys):
     from utils.errors import UserError
 
     root, keys = runs
-    ran(root, "parquet", 1)
+    finished_job(root / "parquet", 1)
     r = results(root / "parquet_out")
     assert (r["global_step"], r["epochs"], r["eval_samples"], r["class_names"]) == (4, 1, 4, list(CLASSES))
     # 9 images: 4 steps of 2, the last image no batch's
-    assert sorted(fetched(root / "parquet.log", 1)[0, 0]) == sorted(keys["parquet"])
+    assert sorted(fetched(root / "parquet", 1)[0, 0]) == sorted(keys["parquet"])
 
     parquet = shutil.copytree(root / "parquet", tmp_path / "parquet")
     flags = ["--cpu", *RUN, "--dataset", str(parquet)]
@@ -274,11 +258,11 @@ def test_an_image_folder_streams_split_between_processes(runs):
     """--data_dir DIR/train + DIR/val streams as one shard: each of 2 processes takes every 2nd image of the shuffled
     stream, 6 each (3 batches of 2: 3 steps an epoch); an epoch reads each of the 12 training images exactly once."""
     root, keys = runs
-    ran(root, "images", 2)
+    finished_job(root / "images", 2)
     r = results(root / "images_out")
     assert (r["global_step"], r["epochs"], r["samples_seen"], r["eval_samples"]) == (3, 1, 12, 4)
     assert r["class_names"] == sorted(CLASSES)
-    reads = fetched(root / "images.log", 2)
+    reads = fetched(root / "images", 2)
     assert [len(reads[0, rank]) for rank in range(2)] == [6, 6]
     assert sorted(reads[0, 0] + reads[0, 1]) == sorted(keys["images"])
 
@@ -311,12 +295,12 @@ def test_integer_labels_0_to_11_are_classes_in_numeric_order_streamed_or_not_and
     root, _ = runs
     streamed, plain = root / "streamed", root / "plain"
     for out in (streamed, plain):
-        ran(root, out.name, 1)
+        finished_job(root / out.name, 1)
         r = results(out)
         assert r["class_names"] == [str(label) for label in range(12)], out.name
         assert (r["eval_samples"], r["global_step"]) == (24, 36)
         assert r["eval_accuracy"] >= 0.9, (out.name, r["eval_accuracy"])
-    ran(root, "predict", 1)
+    finished_job(root / "predict", 1)
     with open(root / "predictions.csv", newline="") as file:
         table = list(csv.DictReader(file))
     assert [row["label"] for row in table] == [str(label) for label in FIRST_SEEN * 2]

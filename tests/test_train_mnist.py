@@ -1,7 +1,7 @@
 """train_mnist.py launched for real through `accelerate launch`, on CPU processes.
 
-The runs on 2 processes share one launch, and those on 1 another: each run a job of tests/sample_recorder.py --jobs,
-forked from processes that imported the libraries once."""
+The runs on 2 processes share one launch, and those on 1 another: each run a job of tests/jobs.py, forked from
+processes that imported the libraries once."""
 
 import json
 import math
@@ -11,36 +11,18 @@ import torch
 import torch.nn.functional as F
 from helpers import (
     MNIST_10K,
-    REPO,
     TRAIN_MNIST,
     launch,
     launcher_args,
     requires_mnist_10k,
     results,
-    run,
     tensorboard_scalars,
 )
+from jobs import finished_job, launch_jobs
 from safetensors.torch import load_file
-from sample_recorder import finished_job, jobs_file
 
 from utils.data.mnist import load_mnist_idx, to_tensor_dataset
 from utils.models import ConvNet
-
-RECORDER = REPO / "tests" / "sample_recorder.py"
-
-
-def launch_jobs(jobs: dict, num_processes: int, folder) -> None:
-    """One launch of tests/sample_recorder.py --jobs: each job {NAME: ARGS of train_mnist.py} in turn, its output in
-    FOLDER/NAME.log.rank{R}.out. Unchecked here: each test reads its job (finished)."""
-    manifest = jobs_file(folder / f"jobs_{num_processes}.json", [
-        {"argv": [TRAIN_MNIST, "--cpu", *args], "sample_log": folder / f"{name}.log", "timeout": 600}
-        for name, args in jobs.items()])
-    run([*launcher_args(num_processes), RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs))
-
-
-def finished(folder, name: str, num_processes: int) -> None:
-    """Every process of job NAME (its log: NAME.log) exited 0 (sample_recorder.finished_job)."""
-    finished_job(folder / f"{name}.log", num_processes)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +32,11 @@ def on_2_processes(tmp_path_factory):
     runs = tmp_path_factory.mktemp("on_2_processes")
     trained = runs / "trained"
     launch_jobs({
-        "trained": ["--data_dir", MNIST_10K, "--output_dir", trained, "--checkpointing_steps", "epoch"],
-        "resumed": ["--data_dir", MNIST_10K, "--output_dir", runs / "resumed", "--resume_from_checkpoint",
-                    trained / "epoch_0"],
-    }, 2, runs)
+        "trained": [TRAIN_MNIST, "--cpu", "--data_dir", MNIST_10K, "--output_dir", trained, "--checkpointing_steps",
+                    "epoch"],
+        "resumed": [TRAIN_MNIST, "--cpu", "--data_dir", MNIST_10K, "--output_dir", runs / "resumed",
+                    "--resume_from_checkpoint", trained / "epoch_0"],
+    }, launcher_args(2), runs)
     return runs
 
 
@@ -63,26 +46,27 @@ def on_1_process(tmp_path_factory, synthetic_mnist, request):
     with --with_tracking ("trained") and --eval_only of the 2-process run's last checkpoint ("eval_only")."""
     runs = tmp_path_factory.mktemp("on_1_process")
     # --mixed_precision is the script's flag, which the Accelerator takes over the launch config's `no`
-    jobs = {"bf16": ["--data_dir", synthetic_mnist, "--output_dir", runs / "bf16", "--epochs", "2", "--batch_size",
-                     "32", "--mixed_precision", "bf16"]}
+    jobs = {"bf16": [TRAIN_MNIST, "--cpu", "--data_dir", synthetic_mnist, "--output_dir", runs / "bf16", "--epochs",
+                     "2", "--batch_size", "32", "--mixed_precision", "bf16"]}
     if (MNIST_10K / "train-images-idx3-ubyte.gz").is_file():
         trained_2proc = request.getfixturevalue("on_2_processes") / "trained"
-        jobs["trained"] = ["--data_dir", MNIST_10K, "--output_dir", runs / "trained", "--with_tracking"]
-        jobs["eval_only"] = ["--data_dir", MNIST_10K, "--output_dir", runs / "eval_only", "--eval_only",
-                             "--resume_from_checkpoint", trained_2proc / "epoch_2"]
-    launch_jobs(jobs, 1, runs)
+        jobs["trained"] = [TRAIN_MNIST, "--cpu", "--data_dir", MNIST_10K, "--output_dir", runs / "trained",
+                           "--with_tracking"]
+        jobs["eval_only"] = [TRAIN_MNIST, "--cpu", "--data_dir", MNIST_10K, "--output_dir", runs / "eval_only",
+                             "--eval_only", "--resume_from_checkpoint", trained_2proc / "epoch_2"]
+    launch_jobs(jobs, launcher_args(1), runs)
     return runs
 
 
 @pytest.fixture(scope="module")
 def trained_1proc(on_1_process):
-    finished(on_1_process, "trained", 1)
+    finished_job(on_1_process / "trained", 1)
     return on_1_process / "trained"
 
 
 @pytest.fixture(scope="module")
 def trained_2proc(on_2_processes):
-    finished(on_2_processes, "trained", 2)
+    finished_job(on_2_processes / "trained", 2)
     return on_2_processes / "trained"
 
 
@@ -149,7 +133,7 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, 
     one a job of the 1-process launch."""
     trained = results(trained_2proc)
     evaluations = {2: (trained["eval_accuracy"], trained["eval_loss"])}
-    finished(on_1_process, "eval_only", 1)
+    finished_job(on_1_process / "eval_only", 1)
     launch(["--data_dir", MNIST_10K, "--output_dir", tmp_path / "eval_3", "--eval_only", "--resume_from_checkpoint",
             trained_2proc / "epoch_2"], num_processes=3)
     for n, out in ((1, on_1_process / "eval_only"), (3, tmp_path / "eval_3")):
@@ -165,7 +149,7 @@ def test_one_checkpoint_evaluates_identically_on_1_2_3_processes(trained_2proc, 
 @requires_mnist_10k
 def test_resume_from_first_epoch_checkpoint_is_bit_exact(on_2_processes, trained_2proc):
     out = on_2_processes / "resumed"
-    finished(on_2_processes, "resumed", 2)
+    finished_job(on_2_processes / "resumed", 2)
     resumed, uninterrupted = results(out), results(trained_2proc)
     assert resumed["resumed_from"].endswith("epoch_0")
     assert (out / "model.safetensors").read_bytes() == (trained_2proc / "model.safetensors").read_bytes()
@@ -177,7 +161,7 @@ def test_resume_from_first_epoch_checkpoint_is_bit_exact(on_2_processes, trained
 
 
 def test_bf16_on_cpu_learns_the_synthetic_digits(on_1_process):
-    finished(on_1_process, "bf16", 1)
+    finished_job(on_1_process / "bf16", 1)
     r = results(on_1_process / "bf16")
     assert r["mixed_precision"] == "bf16"
     assert r["eval_accuracy"] >= 0.9  # chance is 0.1

@@ -3,9 +3,9 @@ early stopping with the best model kept, the profiler, trackers beyond TensorBoa
 size that backs off on out-of-memory.
 
 Processes: the two 2-process runs, the early-stopped MNIST run and the classifier's --auto_find_batch_size, are the
-jobs of one launch (`two_process_runs`: tests/sample_recorder.py --jobs through tests/test_predict.py's launch_jobs,
-each launched process importing torch and Accelerate once, then forking one child per job); the 1-process --eval_only
-of best/ runs alone (run_alone: no launcher around it)."""
+jobs of one launch (`two_process_runs`: tests/jobs.py's launch_jobs, each launched process importing torch and
+Accelerate once, then forking one child per job); the 1-process --eval_only of best/ runs alone (run_alone: no
+launcher around it)."""
 
 import importlib.util
 import json
@@ -16,11 +16,11 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, results, run_alone
+from helpers import REPO, TRAIN_MNIST, assert_clean_user_error, launcher_args, results, run_alone
 from image_data import make_split_image_folder
+from jobs import finished_job, launch_jobs
 from oom_model import FITS, OutOfMemoryAboveBatchSize
 from safetensors.torch import load_file
-from test_predict import job, launch_jobs
 
 from utils.report.meters import GradNorms
 
@@ -36,7 +36,7 @@ MLFLOW_MISSING = "MLflow is an optional install: pip install -r requirements-tra
 def two_process_runs(synthetic_mnist, tmp_path_factory):
     """The one 2-process launch: early_stopped/ (below; only where MLflow is installed), then the classifier with
     --auto_find_batch_size (auto_batch/). The trackers' variables are the launch's: only early_stopped reports to them.
-    Returns its folder; each test reads its job (test_predict.job: every process exited 0)."""
+    Returns its folder; each test reads its job (jobs.finished_job: every process exited 0)."""
     root = tmp_path_factory.mktemp("features_2proc")
     out = root / "early_stopped"
     out.mkdir()  # W&B writes into it (WANDB_DIR)
@@ -52,7 +52,7 @@ def two_process_runs(synthetic_mnist, tmp_path_factory):
         TRAIN_IMAGE_CLASSIFIER, "--cpu", "--data_dir", data, "--output_dir", root / "auto_batch", "--model",
         "tests.oom_model:small_cnn_out_of_memory_above_16", "--image_size", "32", "--epochs", "1", "--num_workers", "0",
         "--batch_size", "32", "--auto_find_batch_size", "--max_grad_norm", "1.0", "--metric_for_best", "eval_loss"]
-    launch_jobs(jobs, 2, root, env={"MLFLOW_TRACKING_URI": mlflow_store(root), "WANDB_MODE": "offline",
+    launch_jobs(jobs, launcher_args(2), root, env={"MLFLOW_TRACKING_URI": mlflow_store(root), "WANDB_MODE": "offline",
                                     "WANDB_DIR": str(out), "WANDB_SILENT": "true"})
     return root
 
@@ -70,7 +70,7 @@ def early_stopped(two_process_runs, synthetic_mnist):
     said (onecycle, 15% of 120 steps = 18 of warmup: the same rates bit for bit), for test_lr_schedules.py's claim
     that run.json records them (one launch fewer). (output_dir, what both processes printed, store, data)."""
     pytest.importorskip("mlflow", reason=MLFLOW_MISSING)
-    output = job(two_process_runs, "early_stopped", 2).stdout
+    output = finished_job(two_process_runs / "early_stopped", 2).stdout
     return two_process_runs / "early_stopped", output, mlflow_store(two_process_runs), synthetic_mnist
 
 
@@ -318,7 +318,7 @@ def test_wandb_offline_run_holds_every_epochs_metrics(early_stopped):
 
 def test_auto_find_batch_size_halves_until_a_step_fits_and_keeps_the_global_batch(two_process_runs):
     """Job auto_batch: a model that runs out of memory above 16 images, asked for 32 per process."""
-    proc = job(two_process_runs, "auto_batch", 2)
+    proc = finished_job(two_process_runs / "auto_batch", 2)
     out = two_process_runs / "auto_batch"
     r = results(out)
     assert r["batch_size_per_process"] == FITS and r["gradient_accumulation_steps"] == 32 // FITS

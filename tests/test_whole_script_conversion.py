@@ -19,7 +19,7 @@ The Fabric pair's launches also run tests/silent_differences.py (torchmetrics on
 DeepSpeed's WarmupLR prepared) and the converted script with the Net's dropouts, which makes two processes train
 otherwise than one; the DeepSpeed pair's, tests/literal_adam.py (DeepSpeed's "Adam" converted to torch.optim.Adam).
 
-Every run of the three pairs is a job of one of two launches of tests/sample_recorder.py --jobs (conversion_runs):
+Every run of the three pairs is a job of one of two launches of tests/jobs.py (conversion_runs):
 each launched process imports torch and Accelerate once and forks a child per run, which runs the script as
 `python SCRIPT ARGS` would (tests/baseline_job.py starts a before as its launcher would)."""
 
@@ -33,9 +33,9 @@ import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from doc_commands import bash_commands, check_command
-from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k, run
+from helpers import MNIST_10K, REPO, free_port, launcher_args, requires_mnist_10k
+from jobs import finished_job, launch_jobs, read_job
 from safetensors.torch import load_file
-from sample_recorder import job_outcome, jobs_file
 from torch.utils.data import BatchSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
@@ -69,7 +69,6 @@ EVALUATION = re.compile(r"^ \* Acc@1 (\S+) Loss (\S+) \((\d+) images\)$", flags=
 LEARNING_RATE = re.compile(r"^Epoch: \[\d+\] lr (\S+)$", flags=re.M)
 
 
-RECORDER = REPO / "tests" / "sample_recorder.py"
 BASELINE_JOB = REPO / "tests" / "baseline_job.py"
 SILENT_DIFFERENCES = REPO / "tests" / "silent_differences.py"
 LITERAL_ADAM = REPO / "tests" / "literal_adam.py"
@@ -86,40 +85,6 @@ def after_args(out, *args) -> list:
     """The converted script: one process as a user may run it (python: an Accelerator needs no launcher), two under
     accelerate launch."""
     return [AFTER, "--cpu", *TRAIN, "--checkpoint-dir", out, *args]
-
-
-def launch_jobs(jobs: dict, num_processes: int, folder) -> dict:
-    """One launch of tests/sample_recorder.py --jobs in `folder` (its working directory): each job {name: SCRIPT ARGS}
-    in turn, in a child forked from each launched process, its output in folder/NAME.rank{R}.out (a job given as
-    {"argv": SCRIPT ARGS, "env": {...}}: with those variables set, as its launcher sets them). One process: plain
-    python; two: accelerate launch. Returns {name: (folder, num_processes, the launch)} for printed_by()."""
-    folder.mkdir()
-    manifest = jobs_file(folder / "jobs.json", [{**(job if isinstance(job, dict) else {"argv": job}),
-                                                 "sample_log": folder / name, "timeout": 600}
-                                                for name, job in jobs.items()])
-    launcher = launcher_args(num_processes) if num_processes > 1 else [sys.executable]
-    # each run was a process of its own, with helpers.run's limit of 600 s
-    launch = run([*launcher, RECORDER, "--jobs", manifest], check=False, timeout=600 * len(jobs),
-                 env=ONE_THREAD, cwd=folder)
-    return {name: (folder, num_processes, launch) for name in jobs}
-
-
-def printed_by(conversion_runs, name) -> str:
-    """What every process of job NAME printed (stdout and stderr), rank after rank; every one of them exited 0."""
-    return "".join(printed_by_each_rank(conversion_runs, name))
-
-
-def printed_by_each_rank(conversion_runs, name) -> list:
-    """What each process of job NAME printed; every one of them exited 0."""
-    folder, num_processes, launch = conversion_runs[name]
-    statuses, texts = job_outcome(folder / name, num_processes)
-    assert statuses == [0] * num_processes, \
-        f"{name}:\n" + "\n".join(text[-6000:] for text in texts) + f"\nthe launch: {launch.stderr[-3000:]}"
-    return texts
-
-
-def printed_by_rank(conversion_runs, name, rank) -> str:
-    return printed_by_each_rank(conversion_runs, name)[rank]
 
 
 def printed(stdout) -> dict:
@@ -154,14 +119,15 @@ def assert_equal_state(a, b):
 
 @pytest.fixture(scope="module")
 def conversion_runs(tmp_path_factory):
-    """Every run of the three pairs, as jobs of two launches (launch_jobs): the one-process runs, and the DDP
+    """Every run of the three pairs, as jobs of two launches (tests/jobs.py): the one-process runs, and the DDP
     before's two-process one (mp.spawn starts its processes), as jobs of one python process; the other two-process
-    runs as jobs of one accelerate launch of 2 processes. A run that resumes follows the one it resumes."""
+    runs as jobs of one accelerate launch of 2 processes. A run that resumes follows the one it resumes. Returns the
+    folder and {job name: (its LOG, its processes)}: finished_job(*jobs[name])."""
     out = tmp_path_factory.mktemp("conversion")
     apex_one_batch = [*APEX_ARGS, "-b", "512", "--epochs", "2", "-p", "1"]
     # apex's scripts write into their working directory (the launch's): checkpoint.pth.tar and model_best.pth.tar
     # the before, checkpoint/ and model_best/ the after
-    one_process = launch_jobs({
+    one_process = {
         "before_1": before_args(1, out / "before_1", "--epochs", "2"),
         "after_1": after_args(out / "after_1", "--epochs", "2"),
         "before_2": before_args(2, out / "before_2", "--epochs", "2"),
@@ -178,8 +144,8 @@ def conversion_runs(tmp_path_factory):
         "apex_after_1": [APEX_AFTER, *apex_one_batch],
         **fabric_jobs(out, 1),
         **deepspeed_jobs(out, 1),
-    }, 1, out / "one_process")
-    two_processes = launch_jobs({
+    }
+    two_processes = {
         "after_2": after_args(out / "after_2", "--epochs", "2"),
         # the befores get torchrun's environment (accelerate launch --multi_gpu runs torch.distributed.run's run());
         # --no-cuda: the Horovod pair's spelling of --cpu (in HOROVOD_ARGS)
@@ -193,8 +159,15 @@ def conversion_runs(tmp_path_factory):
         "apex_after_2": [APEX_AFTER, "--cpu", *APEX_ARGS, "-b", "32", "--epochs", "2", "--resume", "checkpoint"],
         **fabric_jobs(out, 2),
         **deepspeed_jobs(out, 2),
-    }, 2, out / "two_processes")
-    return out, {**one_process, **two_processes}
+    }
+    # each job in its launch's folder, also its working directory; each run was a process of its own
+    jobs = {}
+    for launched, launcher, num_processes, folder in ((one_process, [sys.executable], 1, out / "one_process"),
+                                                      (two_processes, launcher_args(2), 2, out / "two_processes")):
+        folder.mkdir()
+        launch_jobs(launched, launcher, folder, env=ONE_THREAD, cwd=folder)
+        jobs.update({name: (folder / name, num_processes) for name in launched})
+    return out, jobs
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +177,11 @@ def runs(conversion_runs):
     out, jobs = conversion_runs
     results = {}
     for name, processes in (("before", 1), ("after", 1), ("before", 2), ("after", 2)):
-        results[name, processes] = out / f"{name}_{processes}", printed(printed_by(jobs, f"{name}_{processes}"))
+        results[name, processes] = (out / f"{name}_{processes}",
+                                    printed(finished_job(*jobs[f"{name}_{processes}"]).stdout))
     for name in ("before", "after"):
-        first_epoch = printed(printed_by(jobs, f"{name}_resumed_first"))
-        second_epoch = printed(printed_by(jobs, f"{name}_resumed"))
+        first_epoch = printed(finished_job(*jobs[f"{name}_resumed_first"]).stdout)
+        second_epoch = printed(finished_job(*jobs[f"{name}_resumed"]).stdout)
         results[name, "resumed"] = out / f"{name}_resumed", {key: first_epoch[key] + second_epoch[key]
                                                              for key in first_epoch}
     return results
@@ -334,7 +308,7 @@ def horovod_runs(conversion_runs):
     """Each script on 1 process and on 2 (the before on the Horovod stand-in): printed output and saved weights of
     each."""
     out, jobs = conversion_runs
-    return {(name, processes): (printed_by(jobs, f"horovod_{name}_{processes}"),
+    return {(name, processes): (finished_job(*jobs[f"horovod_{name}_{processes}"]).stdout,
                                 torch.load(out / f"horovod_{name}_{processes}.pt", weights_only=True))
             for name in ("before", "after") for processes in (1, 2)}
 
@@ -386,10 +360,12 @@ def apex_runs(conversion_runs):
     out, jobs = conversion_runs
     folders = {"before_1": out / "one_process", "after_1": out / "one_process",
                "before_2": out / "two_processes", "after_2": out / "two_processes"}
-    results = {("before", 1): printed_by(jobs, "apex_before_1"), ("after", 1): printed_by(jobs, "apex_after_1"),
-               ("after", 2): printed_by(jobs, "apex_after_2_first") + printed_by(jobs, "apex_after_2")}
+    results = {("before", 1): finished_job(*jobs["apex_before_1"]).stdout,
+               ("after", 1): finished_job(*jobs["apex_after_1"]).stdout,
+               ("after", 2): (finished_job(*jobs["apex_after_2_first"]).stdout
+                              + finished_job(*jobs["apex_after_2"]).stdout)}
     for rank in (0, 1):
-        results["before", 2, rank] = printed_by_rank(jobs, "apex_before_2", rank)
+        results["before", 2, rank] = finished_job(*jobs["apex_before_2"]).outputs[rank]
     return folders, results
 
 
@@ -483,7 +459,7 @@ def fabric_jobs(out, num_processes) -> dict:
 def mean_losses(conversion_runs, name, num_processes) -> list:
     """((epoch, the step's first sample in its process), the mean of every process's printed loss) for each step of
     job NAME: the loss of the global batch, each process's own batch being as large."""
-    ranks = [FABRIC_TRAIN.findall(printed_by_rank(conversion_runs, name, rank)) for rank in range(num_processes)]
+    ranks = [FABRIC_TRAIN.findall(finished_job(*conversion_runs[name]).outputs[rank]) for rank in range(num_processes)]
     steps = []
     for same_step in zip(*ranks, strict=True):
         (epoch, seen, _), losses = same_step[0], [float(loss) for *_, loss in same_step]
@@ -507,7 +483,7 @@ def per_image(script, weights, samples):
 def fabric_runs(conversion_runs):
     """{(name, processes): (its printed output, rank after rank; its saved weights)} for the Fabric jobs."""
     out, jobs = conversion_runs
-    return {(name, processes): (printed_by(jobs, f"fabric_{name}_{processes}"),
+    return {(name, processes): (finished_job(*jobs[f"fabric_{name}_{processes}"]).stdout,
                                 torch.load(out / f"fabric_{name}_{processes}.pt", weights_only=True))
             for name in ("before", "after", "dropout") for processes in (1, 2)}
 
@@ -553,7 +529,7 @@ def test_fabric_two_processes_train_as_the_before_and_report_the_exact_metric(co
     assert float(loss) == pytest.approx(losses.double().mean().item(), abs=1e-6)
     correct, losses = per_image(FABRIC_BEFORE, before_weights, 501)
     for rank in (0, 1):  # every process prints the synced accuracy and the all_gather'd loss
-        loss, accuracy, _ = FABRIC_TEST.findall(printed_by_rank(jobs, "fabric_before_2", rank))[-1]
+        loss, accuracy, _ = FABRIC_TEST.findall(finished_job(*jobs["fabric_before_2"]).outputs[rank])[-1]
         assert float(accuracy) == pytest.approx(100 * (correct.sum() + correct[0]).item() / 502, abs=1e-4)
         assert float(loss) == pytest.approx((losses.double().sum() + losses[0]).item() / 501, abs=1e-6)
     assert correct.sum().item() / 501 != (correct.sum() + correct[0]).item() / 502  # the repeated image shows
@@ -585,7 +561,7 @@ def silent_differences(conversion_runs):
     out, jobs = conversion_runs
     numbers = {}
     for processes in (1, 2):
-        printed_by(jobs, f"silent_differences_{processes}")  # every process exited 0
+        finished_job(*jobs[f"silent_differences_{processes}"])  # every process exited 0
         numbers[processes] = [json.loads((out / f"silent_differences_{processes}.json.rank{rank}").read_text())
                               for rank in range(processes)]
     return numbers
@@ -656,20 +632,18 @@ def deepspeed_jobs(out, num_processes) -> dict:
         # error: line
         (out / "deepspeed_fp16_before_1_exit_check").mkdir()
         jobs["deepspeed_fp16_before_1"] = {
-            "env": {**env, "EXIT_CHECK_DIR": str(out / "deepspeed_fp16_before_1_exit_check")}, "fails": True,
+            "env": {**env, "EXIT_CHECK_DIR": str(out / "deepspeed_fp16_before_1_exit_check")},
             "argv": [DEEPSPEED_BEFORE, *DEEPSPEED_ARGS, "--dtype", "fp16"]}
-        jobs["deepspeed_fp16_after_1"] = {"fails": True, "argv": [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS,
-                                                                  "--dtype", "fp16"]}
+        jobs["deepspeed_fp16_after_1"] = [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS, "--dtype", "fp16"]
     else:  # a global batch that does not split over the processes
-        jobs["deepspeed_odd_batch_after_2"] = {"fails": True, "argv": [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS,
-                                                                       "-b", "63"]}
+        jobs["deepspeed_odd_batch_after_2"] = [DEEPSPEED_AFTER, "--cpu", *DEEPSPEED_ARGS, "-b", "63"]
     return jobs
 
 
 def deepspeed_steps(conversion_runs, name, num_processes) -> list:
     """(step, the mean of every process's printed loss, the learning rate every process printed) for each step of
     job NAME: the loss of the global batch, each process's share being as large."""
-    ranks = [DEEPSPEED_STEP.findall(printed_by_rank(conversion_runs, name, rank)) for rank in range(num_processes)]
+    ranks = [DEEPSPEED_STEP.findall(finished_job(*conversion_runs[name]).outputs[rank]) for rank in range(num_processes)]
     steps = []
     for same_step in zip(*ranks, strict=True):
         assert [int(rank) for _, _, rank, _, _ in same_step] == list(range(num_processes)), same_step
@@ -686,7 +660,7 @@ def deepspeed_runs(conversion_runs):
     runs = {}
     for name, processes in (("before_1", 1), ("after_1", 1), ("literal_adam_1", 1), ("before_2", 2), ("after_2", 2)):
         runs[name] = (deepspeed_steps(jobs, f"deepspeed_{name}", processes),
-                      DEEPSPEED_TEST.findall(printed_by(jobs, f"deepspeed_{name}")),
+                      DEEPSPEED_TEST.findall(finished_job(*jobs[f"deepspeed_{name}"]).stdout),
                       torch.load(out / f"deepspeed_{name}.pt", weights_only=True))
     return runs
 
@@ -795,14 +769,17 @@ def test_deepspeed_warmup_prepared_under_the_default_warms_up_num_processes_time
 def test_deepspeed_fp16_on_a_cpu_and_an_unsplittable_batch_stop_in_one_line(conversion_runs):
     """DeepSpeed's fp16 on CPU processes stops at deepspeed.initialize; Accelerate's would train in fp32 without a word,
     so the after stops in one error: line, as it does for a global batch that does not split over the processes."""
-    out, _ = conversion_runs
-    statuses, outputs = job_outcome(out / "one_process" / "deepspeed_fp16_before_1", 1)
+    _, jobs = conversion_runs
+    before = read_job(*jobs["deepspeed_fp16_before_1"])
+    statuses, outputs = before.statuses, before.outputs
     assert statuses == [1] and "ValueError: Type fp16 is not supported on your device." in outputs[0], outputs[0][-3000:]
     for name, processes, line in (
-            ("one_process/deepspeed_fp16_after_1", 1, "error: --dtype fp16 needs a GPU: on CPU processes use --dtype "
+            ("deepspeed_fp16_after_1", 1, "error: --dtype fp16 needs a GPU: on CPU processes use --dtype "
                                                       "bf16 or fp32"),
-            ("two_processes/deepspeed_odd_batch_after_2", 2, "error: --batch_size 63 does not split over 2 processes: "
+            ("deepspeed_odd_batch_after_2", 2, "error: --batch_size 63 does not split over 2 processes: "
                                                              "give a multiple of 2")):
-        statuses, outputs = job_outcome(out / name, processes)
+        job = read_job(*jobs[name])
+        statuses, outputs = job.statuses, job.outputs
+        assert jobs[name][1] == processes
         assert statuses == [1] * processes, (name, [output[-2000:] for output in outputs])
         assert all(output.strip().splitlines()[-1] == line and "Traceback" not in output for output in outputs), outputs
