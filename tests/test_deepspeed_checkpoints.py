@@ -4,7 +4,7 @@ uninterrupted run ends (both scripts); a resume on another process count, anothe
 refused in one line; the whole weights out (model.safetensors under the plain model's names, predict.py and its ONNX
 export on a ZeRO-3 run) and the one-command consolidation of a checkpoint that docs/checkpoints_and_resume.md gives.
 
-Every run is a job of one DeepSpeed launch on 2 processes (tests/sample_recorder.py --jobs: the libraries imported once,
+Every run is a job of one DeepSpeed launch on 2 processes (tests/jobs.py: the libraries imported once,
 one child forked per job, a job after the runs whose checkpoints it resumes); ZeRO-3's jobs set
 ACCELERATE_DEEPSPEED_ZERO_STAGE, as `accelerate launch --zero_stage 3` exports it."""
 
@@ -20,10 +20,10 @@ import pytest
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
-from helpers import REPO, TRAIN_MNIST, launcher_args, make_synthetic_mnist, results, run
+from helpers import REPO, TRAIN_MNIST, launcher_args, make_synthetic_mnist, results
 from image_data import make_split_image_folder
 from safetensors.torch import load_file
-from sample_recorder import finished_job, jobs_file
+from jobs import finished_job, launch_jobs
 from test_fsdp import EXPORT_PACKAGES, flip_a_byte, predict_here
 
 from utils.errors import UserError
@@ -34,32 +34,25 @@ from utils.run.progress import TrainingProgress
 from utils.run.resume import load_checkpoint, resolve_checkpoint
 
 CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
-RECORDER = REPO / "tests" / "sample_recorder.py"
 DOC = REPO / "docs" / "checkpoints_and_resume.md"
 # 192 digits, 2 x 16 per optimizer step: 6 steps per epoch, 12 in all; checkpoints at steps 3, 6, 9 (mid-epoch 1), 12
 N = 192
 MNIST = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "16", "--checkpointing_steps", "3"]
 # 24 images (6 in each of 4 classes), 2 x 4 per step: 3 steps per epoch, 6 in all; a checkpoint at step 4 (in epoch 1)
-CLASSIFIER_ARGS = ["--model", "tests.sample_recorder:tiny_cnn", "--image_size", "16", "--num_workers", "0",
+CLASSIFIER_ARGS = ["--model", "tests.tiny_model:tiny_cnn", "--image_size", "16", "--num_workers", "0",
                    "--epochs", "2", "--batch_size", "4", "--checkpointing_steps", "4"]
 ZERO_2_CPU = REPO / "accelerate_configs" / "deepspeed_zero2_cpu.yaml"
 # what `accelerate launch --config_file accelerate_configs/deepspeed_zero3_cpu.yaml` exports beyond the ZeRO-2 config
 ZERO_3 = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"}
 
 
-def launch_jobs(jobs: dict, root) -> dict:
-    """One launch of accelerate_configs/deepspeed_zero2_cpu.yaml on 2 CPU processes of
-    tests/sample_recorder.py --jobs, each job {NAME: (ENV, [SCRIPT, *ARGS])} in turn: `SCRIPT --cpu ARGS` with
-    ENV set, ROOT/samples_NAME its $SAMPLE_LOG.
-    Returns {NAME: the job as a finished process, every rank's output in .stderr}; fails unless every job exited 0."""
-    manifest = jobs_file(root / "jobs.json", [
-        {"argv": [script, "--cpu", *args], "sample_log": root / f"samples_{name}", "timeout": 600, "env": env}
-        for name, (env, (script, *args)) in jobs.items()])
-    launch = run([*launcher_args(config_file=ZERO_2_CPU), "--num_processes", "2", RECORDER, "--jobs", manifest],
-                 check=False, timeout=600 * len(jobs))
-    finished = {name: finished_job(root / f"samples_{name}", 2) for name in jobs}
-    assert launch.returncode == 0, f"{launch.stdout[-3000:]}\n{launch.stderr[-6000:]}"
-    return finished
+def launch_deepspeed_jobs(jobs: dict, root) -> dict:
+    """One launch of accelerate_configs/deepspeed_zero2_cpu.yaml on 2 CPU processes of tests/jobs.py, each job
+    {NAME: (ENV, [SCRIPT, *ARGS])} in turn: `SCRIPT --cpu ARGS` with ENV set, its files at ROOT/NAME.
+    Returns {NAME: the job as a finished process, every rank's output in .stdout}; asserts that each exited 0."""
+    launch_jobs({name: {"argv": [script, "--cpu", *args], "env": env} for name, (env, (script, *args)) in jobs.items()},
+                [*launcher_args(config_file=ZERO_2_CPU), "--num_processes", "2"], root)
+    return {name: finished_job(root / name, 2) for name in jobs}
 
 
 def consolidation_command() -> str:
@@ -71,7 +64,7 @@ def consolidation_command() -> str:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """Every run of this module, in one launch (`launch_jobs`), in this order:
+    """Every run of this module, in one launch (`launch_deepspeed_jobs`), in this order:
     ZeRO-2 and ZeRO-3 MNIST runs and a ZeRO-3 image classifier, each with checkpoints; each resumed from a mid-epoch
     checkpoint of its run (MNIST's step_9, in epoch 1; the classifier's step_4, in epoch 1) into a folder of its own,
     saving epoch checkpoints; then the refusals: ZeRO-3 resuming the ZeRO-2 run's step_9, and DDP (the DeepSpeed
@@ -86,7 +79,7 @@ def launched(tmp_path_factory):
         return [*args, "--output_dir", root / name, "--checkpointing_steps", "epoch", "--resume_from_checkpoint",
                 root / run_name / checkpoint]
 
-    runs = launch_jobs({
+    runs = launch_deepspeed_jobs({
         "zero2": ({}, [*mnist, "--output_dir", root / "zero2"]),
         "zero3": (ZERO_3, [*mnist, "--output_dir", root / "zero3"]),
         "classifier": (ZERO_3, [*classifier, "--output_dir", root / "classifier"]),
@@ -109,7 +102,7 @@ def test_a_mid_epoch_resume_on_the_same_processes_ends_as_the_uninterrupted_run(
     """Bit for bit: the weights (BatchNorm's statistics included) and every metric of results.json that does not
     measure time."""
     root, runs = launched
-    assert "Saved" in runs[name].stderr
+    assert "Saved" in runs[name].stdout
     resumed = root / f"{name}_resumed"
     assert_same_weights(root / name, resumed)
     uninterrupted, after_resume = results(root / name), results(resumed)
