@@ -512,7 +512,7 @@ def test_fabric_two_processes_train_as_the_before_and_report_the_exact_metric(co
     updated with gather_for_metrics' rows. The before's are not: Fabric's DistributedSampler pads 501 to 502, so its
     torchmetrics accuracy and its all_gather'd loss count image 0 twice."""
     _, jobs = conversion_runs
-    (before, before_weights), (after, after_weights) = fabric_runs["before", 2], fabric_runs["after", 2]
+    (_, before_weights), (after, after_weights) = fabric_runs["before", 2], fabric_runs["after", 2]
     steps_before, steps_after = mean_losses(jobs, "fabric_before_2", 2), mean_losses(jobs, "fabric_after_2", 2)
     steps_one_process = mean_losses(jobs, "fabric_after_1", 1)
     assert [step for step, _ in steps_before] == [step for step, _ in steps_after] == \
