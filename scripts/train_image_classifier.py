@@ -82,6 +82,7 @@ from utils.run.checkpoints import save_checkpoint, step_checkpoint_due
 from utils.run.ddp_diagnosis import unused_parameters_named
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
 from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.group_holders import import_deepspeed_if_installed
 from utils.run.hangs import collective_timeouts_named
 from utils.run.optim import DEFAULT_LEARNING_RATE, DEFAULT_WEIGHT_DECAY, build_lr_scheduler, build_optimizer
 from utils.run.reproducibility import make_deterministic
@@ -398,6 +399,7 @@ def main(args):
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
     make_deterministic(args.deterministic)
+    import_deepspeed_if_installed()  # before the process group: utils/run/group_holders.py
 
     accelerator = Accelerator(
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
