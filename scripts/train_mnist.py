@@ -154,7 +154,6 @@ def main(args):
     stop_signal = StopSignal() if args.save_on_signal else None  # first: a signal during start-up counts too
     check_enough_devices(args.cpu)
     make_deterministic(args.deterministic)
-    import_deepspeed_if_installed()  # before the process group: utils/run/group_holders.py
 
     accelerator = Accelerator(
         # --report_to: TensorBoard, MLflow, W&B; project_dir: where TensorBoard writes
@@ -321,6 +320,7 @@ if __name__ == "__main__":
         args = parse_args()
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         stop_with_the_launcher()  # a SIGTERM to a one-process `accelerate launch` stops the training too
+        import_deepspeed_if_installed()  # before main() creates the process group: utils/run/group_holders.py
         # one training at a time in --output_dir (a lock); --ddp_timeout outside the training loop: one line too
         with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args.ddp_timeout):
             sys.exit(main(args))

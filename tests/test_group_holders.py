@@ -5,7 +5,6 @@ import importlib.util
 import sys
 
 import pytest
-
 from helpers import REPO, free_port, run
 
 # One process in a one-process gloo group, as the scripts do it: torch.distributed.nn and DeepSpeed imported before
