@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
 from accelerate import Accelerator  # [accelerate]
-from accelerate.utils import set_seed  # [accelerate]
+from accelerate.utils import is_deepspeed_available, set_seed  # [accelerate]
 from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import TensorDataset
 
@@ -81,6 +81,8 @@ def run(hparams):
     # [accelerate] here, not at the top: torchmetrics imports PIL, which --help need not wait for
     from torchmetrics.classification import Accuracy
 
+    if is_deepspeed_available():  # [accelerate] before the group too: docs/ending_a_run_cleanly.md
+        import deepspeed  # noqa: F401
     # [accelerate] the processes, their group and devices come from `accelerate launch`
     accelerator = Accelerator(cpu=hparams.cpu)
     # [accelerate] without --cpu on a machine without GPUs, `accelerate launch --multi_gpu` starts lone processes

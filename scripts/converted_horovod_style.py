@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
 from accelerate import Accelerator, DataLoaderConfiguration  # [accelerate]
-from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, set_seed  # [accelerate]
+from accelerate.utils import (  # [accelerate]
+    DDPCommunicationHookType, DistributedDataParallelKwargs, is_deepspeed_available, set_seed,
+)
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.optim as optim
@@ -142,6 +144,8 @@ def train(args):
             print("\nTest set: Average loss: {:.6f}, Accuracy: {:.4f}% ({} samples)\n".format(
                 test_loss, 100. * test_accuracy, test_count))  # [accelerate]
 
+    if is_deepspeed_available():  # [accelerate] before the group too: docs/ending_a_run_cleanly.md
+        import deepspeed  # noqa: F401
     # [accelerate] the processes, their group and devices come from `accelerate launch`
     accelerator = Accelerator(
         cpu=args.no_cuda,

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.nn  # [accelerate] imported before the process group: see the end of main()
 import torch.nn.functional as F
 from accelerate import Accelerator  # [accelerate]
-from accelerate.utils import set_seed  # [accelerate]
+from accelerate.utils import is_deepspeed_available, set_seed  # [accelerate]
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -65,6 +65,8 @@ def parse_args(argv=None):
 
 
 def main(args):
+    if is_deepspeed_available():  # [accelerate] before the group too, as torch.distributed.nn: see the end of main()
+        import deepspeed  # noqa: F401
     # [accelerate] the device, the processes and the precision (fp16/bf16) come from `accelerate config` / launch
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)  # [accelerate]

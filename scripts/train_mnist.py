@@ -60,6 +60,7 @@ from utils.run.deepspeed import (
 )
 from utils.run.ema import build_model_ema, evaluate_model_ema, save_model_ema, update_model_ema
 from utils.run.fsdp import keep_batchnorm_in_fp32, shard_on_cpu
+from utils.run.group_holders import import_deepspeed_if_installed
 from utils.run.hangs import collective_timeouts_named
 from utils.run.optim import build_lr_scheduler
 from utils.run.reproducibility import make_deterministic
@@ -327,6 +328,7 @@ if __name__ == "__main__":
         args = parse_args()
         logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", level=logging.INFO)
         stop_with_the_launcher()  # a SIGTERM to a one-process `accelerate launch` stops the training too
+        import_deepspeed_if_installed()  # before main() creates the process group: utils/run/group_holders.py
         # one training at a time in --output_dir (a lock); --ddp_timeout outside the training loop: one line too
         with one_training_at_a_time(args.output_dir, args.eval_only), collective_timeouts_named(args.ddp_timeout):
             sys.exit(main(args))
