@@ -105,17 +105,18 @@ def _release_process_groups() -> None:
 
     from torch.distributed import ProcessGroup
 
-    # issubclass(type(o)): isinstance would also read o.__class__, which torch's deprecated torch.distributed.reduce_op
-    # answers with a FutureWarning on every process (as in utils/run/fsdp.py)
+    # type(o) is dict/list, not isinstance: isinstance would also read o.__class__, which torch's deprecated
+    # torch.distributed.reduce_op answers with a FutureWarning on every process (as in utils/run/fsdp.py), and a dict
+    # subclass may compute its items (transformers' lazy auto-model mappings import modules, and raise at exit)
     for holder in gc.get_objects():
         try:  # some objects (pydantic's placeholders) raise on any attribute
             attributes = None if issubclass(type(holder), type) else object.__getattribute__(holder, "__dict__")
         except Exception:  # noqa: BLE001 (whatever they raise, they hold no process group)
             attributes = None
-        for mapping in (attributes, holder if issubclass(type(holder), dict) else None):
-            if issubclass(type(mapping), dict):
+        for mapping in (attributes, holder):
+            if type(mapping) is dict:
                 for key in [k for k, v in mapping.items() if issubclass(type(v), ProcessGroup)]:
                     mapping[key] = None
-        if issubclass(type(holder), list) and any(issubclass(type(v), ProcessGroup) for v in holder):
+        if type(holder) is list and any(issubclass(type(v), ProcessGroup) for v in holder):
             holder[:] = [None if issubclass(type(v), ProcessGroup) else v for v in holder]
     gc.collect()
