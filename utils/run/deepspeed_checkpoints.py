@@ -103,8 +103,12 @@ def _release_process_groups() -> None:
     after this)."""
     import gc
 
+    from deepspeed.utils import groups
     from torch.distributed import ProcessGroup
 
+    # DeepSpeed's module-level groups, as deepspeed.comm.destroy_process_group releases them (a module's globals may be
+    # out of the walk below: gc.get_objects skips what gc.freeze froze, e.g. a launcher that imported DeepSpeed first)
+    groups._release_process_group_references(group=None)
     # type(o) is dict/list, not isinstance: isinstance would also read o.__class__, which torch's deprecated
     # torch.distributed.reduce_op answers with a FutureWarning on every process (as in utils/run/fsdp.py), and a dict
     # subclass may compute its items (transformers' lazy auto-model mappings import modules, and raise at exit)
