@@ -35,9 +35,13 @@ STAGES = {  # a job's environment beside the launch's: the other ZeRO stage, or 
     "ddp": {"unset_env": ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_",
                           "ACCELERATE_CONFIG_DS_FIELDS"]},
 }
-# Measured (2 and 3 processes, 6 steps): ZeRO-2's and ZeRO-3's step losses equal DDP's to LOSS_MEASURED; the same
-# bound as tests/test_fsdp.py's, far below a step's change (>0.01)
-LOSS_TOLERANCE = 1e-4
+# Measured (6 steps): on 2 processes ZeRO-2's and ZeRO-3's step losses, evaluation and weights equal DDP's bit for bit.
+# On 3 the step losses agree to 8e-8 and the evaluation's predictions are the same, but the weights end up to 1.8e-3
+# apart and eval_loss 2.1e-4 (ZeRO-2): the mean over 3 processes is rounded otherwise than DDP's (over 2 it is exact),
+# and Adam turns a near-zero gradient element's rounding into a step of about the learning rate (1e-3).
+LOSS_TOLERANCE = 1e-6
+WEIGHTS_TOLERANCE = {2: 0.0, 3: 4e-3}
+EVAL_LOSS_TOLERANCE = {2: 0.0, 3: 1e-3}
 LOGGED_LOSS = re.compile(r"step (\d+): \{'loss': ([-+.e0-9]+)")
 
 
@@ -110,13 +114,13 @@ def test_mnist_under_zero_trains_as_ddp_with_its_state_partitioned(launched, sta
     # statistics as under DDP (each process's own: eval_loss 6e-5 apart, measured)
     assert r["eval_samples"] == ddp["eval_samples"] == EVAL
     assert r["eval_accuracy"] == ddp["eval_accuracy"]
-    assert r["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=LOSS_TOLERANCE)
+    assert r["eval_loss"] == pytest.approx(ddp["eval_loss"], abs=EVAL_LOSS_TOLERANCE[num_processes])
     # the whole weights under the plain names, as DDP's
     weights = load_file(root / name / "model.safetensors")
     ddp_weights = load_file(root / reference / "model.safetensors")
     ConvNet().load_state_dict(weights)  # strict: every name matches
     for key, tensor in ddp_weights.items():
-        assert torch.allclose(weights[key].double(), tensor.double(), atol=1e-4), key
+        assert torch.allclose(weights[key].double(), tensor.double(), rtol=0, atol=WEIGHTS_TOLERANCE[num_processes]), key
     # each process held about 1/N of Adam's moments (ZeRO-2 and 3), and under ZeRO-3 of the parameters: DeepSpeed
     # pads each to N equal partitions, a few elements per process
     whole = r["parameter_bytes"]
