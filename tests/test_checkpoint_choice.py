@@ -419,7 +419,8 @@ def best_run(tmp_path):
 
     # torch.compile's wrapper unwrapped too: its state dict's keys would carry _orig_mod.
     accelerator = one_process(unwrap_model=lambda model, keep_torch_compile: Model(
-        f"{'compiled' if keep_torch_compile else 'unwrapped'} {model.name}"), save_model=save_model)
+        f"{'compiled' if keep_torch_compile else 'unwrapped'} {model.name}"), save_model=save_model,
+        distributed_type="NO")  # not DeepSpeed, whose engine save_model takes as it is (run/deepspeed.py)
     return accelerator, saves
 
 

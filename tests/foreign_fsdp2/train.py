@@ -14,6 +14,7 @@ import torch
 import torch.distributed.nn  # before any process group: docs/migration_guide.md, "Ending a run cleanly"
 from accelerate import Accelerator
 from accelerate_reference_utils.run.fsdp import complete_fsdp_model, shard_on_cpu  # ours, under its installed name
+from accelerate_reference_utils.run.group_holders import import_deepspeed_if_installed
 from torch.distributed.tensor import DTensor
 from utils import inspect_model, whole_elements  # the project's own utils.py
 
@@ -24,6 +25,7 @@ def build_model() -> torch.nn.Module:
 
 
 def main(out) -> None:
+    import_deepspeed_if_installed()  # before the group, as torch.distributed.nn: docs/ending_a_run_cleanly.md
     accelerator = Accelerator(cpu=True)
     shard_on_cpu(accelerator)  # on CPU processes Accelerate would silently train DDP
     model = build_model()
