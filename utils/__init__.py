@@ -28,9 +28,9 @@ COLLECTIVE_HELPERS = (
     "save_model_ema",  # run/ema.py: gathers every process's fingerprints of the average
     "epoch_batches",  # data/streaming.py: a stream's batches_every_process_has
     "batches_every_process_has",  # data/streaming.py: gathers every process's "I have a whole accumulation cycle"
-    # run/fsdp.py: keep_rank_0_buffers's hooks (FSDP), which torch calls (the scripts never do): they
-    # broadcast rank 0's buffers before the first evaluation forward after training and before each state_dict(), both
-    # collective
+    # hooks that torch calls (the scripts never do), each broadcasting rank 0's buffers, collective: run/fsdp.py's
+    # keep_rank_0_buffers (FSDP: before the first evaluation forward after training and before each state_dict()) and
+    # run/deepspeed.py's buffers_as_under_ddp (DeepSpeed: before every forward)
     "broadcast_from_rank_0",
     "before_forward",
 )

@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..output_files import BEST, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
-from ..run.deepspeed_checkpoints import buffers_as_under_ddp, check_deepspeed_run
+from ..run.deepspeed import buffers_as_under_ddp
+from ..run.deepspeed_checkpoints import check_deepspeed_run
 from ..run.fsdp import complete_fsdp_model
 from ..run.progress import TrainingProgress, read_training_state
 
