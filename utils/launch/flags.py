@@ -334,12 +334,18 @@ def check_wandb_login(parser: ArgumentParser, report_to: str) -> None:
     import wandb
     from wandb.sdk import wandb_setup  # the settings wandb.login reads (wandb.setup() would also start W&B's service)
 
-    if wandb_setup.singleton().settings.mode in ("offline", "dryrun", "disabled"):  # WANDB_MODE or `wandb offline`
+    settings = wandb_setup.singleton().settings
+    if settings.mode in ("offline", "dryrun", "disabled"):  # WANDB_MODE or `wandb offline`
         return
+    # silent: wandb.login's "logged in as" message asks W&B's service for the user name, which starts that service
+    # and reaches for the server (6 s at best; its exit hung past 120 s in CI when the server did not answer)
+    was_silent, settings.silent = settings.silent, True
     try:
         logged_in, why = wandb.login(prompt=False, verify=False), "it has no API key here (not logged in)"
     except wandb.errors.Error as err:  # a malformed WANDB_API_KEY, say
         logged_in, why = False, first_line(err)
+    finally:
+        settings.silent = was_silent
     if not logged_in:
         parser.error(f"--report_to {report_to}: W&B cannot log online: {why}; run `wandb login` (or set "
                      f"WANDB_API_KEY), or log offline with WANDB_MODE=offline (`wandb sync` uploads it later), or "
