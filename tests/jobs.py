@@ -46,6 +46,10 @@ SCRIPT_IMPORTS = ["torch.distributed.nn", "torch._dynamo", "accelerate", "accele
 # Where it is installed, deepspeed too (10 s of CPU): Accelerate imports it in unwrap_model and get_state_dict, and
 # the scripts before their process group (docs/ending_a_run_cleanly.md).
 OPTIONAL_SCRIPT_IMPORTS = ["deepspeed"]
+# evaluate and deepspeed imported as the scripts import them: without transformers' pipelines and mlflow. Read by path,
+# not imported as utils.lean_imports: a package named utils preloaded would shadow a job's own (test_helpers_shadowing)
+LEAN_IMPORTS = {name[len("import_"):]: function for name, function in runpy.run_path(
+    str(Path(__file__).resolve().parents[1] / "utils" / "lean_imports.py")).items() if name.startswith("import_")}
 JOB_TIMEOUT = 600
 
 
@@ -184,10 +188,12 @@ def main(argv) -> int:
     *launcher_args, manifest = argv
     manifest = json.loads(Path(manifest).read_text())
     rank = os.environ.get("RANK", "0")
-    for module in manifest["preload"]:
-        importlib.import_module(module)
-    for module in OPTIONAL_SCRIPT_IMPORTS if manifest["preload"] else []:
-        if module not in manifest["not_preloaded"] and importlib.util.find_spec(module) is not None:
+    optional = [module for module in OPTIONAL_SCRIPT_IMPORTS if manifest["preload"]
+                and module not in manifest["not_preloaded"] and importlib.util.find_spec(module) is not None]
+    for module in [*manifest["preload"], *optional]:
+        if module in LEAN_IMPORTS:
+            LEAN_IMPORTS[module]()
+        else:
             importlib.import_module(module)
     assert not set(manifest["not_preloaded"]) & set(sys.modules), "preloaded: a job would not start as a fresh one does"
     # Out of the garbage collector's way: else every forked child walks all of torch's and Accelerate's objects in its

@@ -37,7 +37,8 @@ CLASSIFIER = REPO / "scripts" / "train_image_classifier.py"
 DOC = REPO / "docs" / "checkpoints_and_resume.md"
 # 192 digits, 2 x 16 per optimizer step: 6 steps per epoch, 12 in all; checkpoints at steps 3, 6, 9 (mid-epoch 1), 12
 N = 192
-MNIST = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "16", "--checkpointing_steps", "3"]
+MNIST = ["--max_train_samples", N, "--epochs", "2", "--batch_size", "16", "--checkpointing_steps", "3",
+         "--metric_for_best", "eval_loss"]
 # 24 images (6 in each of 4 classes), 2 x 4 per step: 3 steps per epoch, 6 in all; a checkpoint at step 4 (in epoch 1)
 CLASSIFIER_ARGS = ["--model", "tests.tiny_model:tiny_cnn", "--image_size", "16", "--num_workers", "0",
                    "--epochs", "2", "--batch_size", "4", "--checkpointing_steps", "4"]
@@ -67,8 +68,8 @@ def launched(tmp_path_factory):
     """Every run of this module, in one launch (`launch_deepspeed_jobs`), in this order:
     ZeRO-2 and ZeRO-3 MNIST runs and a ZeRO-3 image classifier, each with checkpoints; each resumed from a mid-epoch
     checkpoint of its run (MNIST's step_9, in epoch 1; the classifier's step_4, in epoch 1) into a folder of its own,
-    saving epoch checkpoints; then the refusals: ZeRO-3 resuming the ZeRO-2 run's step_9, and DDP (the DeepSpeed
-    settings unset) resuming it. Meanwhile, in this process, nothing: the launch takes both cores."""
+    saving epoch checkpoints; then the ZeRO-3 run's best/ evaluated by --eval_only under ZeRO-3. Meanwhile, in this
+    process, nothing: the launch takes both cores."""
     root = tmp_path_factory.mktemp("deepspeed")
     data = make_synthetic_mnist(root / "data", num_train=N, num_test=101)
     images = make_split_image_folder(root / "images", train_per_class=6, val_per_class=2)
@@ -79,6 +80,8 @@ def launched(tmp_path_factory):
         return [*args, "--output_dir", root / name, "--checkpointing_steps", "epoch", "--resume_from_checkpoint",
                 root / run_name / checkpoint]
 
+    (root / "zero3_evaluated").mkdir()
+    (root / "zero3_evaluated" / "best").symlink_to(root / "zero3" / "best")
     runs = launch_deepspeed_jobs({
         "zero2": ({}, [*mnist, "--output_dir", root / "zero2"]),
         "zero3": (ZERO_3, [*mnist, "--output_dir", root / "zero3"]),
@@ -86,6 +89,8 @@ def launched(tmp_path_factory):
         "zero2_resumed": ({}, resumed(mnist, "zero2", "step_9", "zero2_resumed")),
         "zero3_resumed": (ZERO_3, resumed(mnist, "zero3", "step_9", "zero3_resumed")),
         "classifier_resumed": (ZERO_3, resumed(classifier, "classifier", "step_4", "classifier_resumed")),
+        "zero3_evaluated": (ZERO_3, [*mnist, "--output_dir", root / "zero3_evaluated", "--eval_only",
+                                     "--resume_from_checkpoint", "best"]),
     }, root)
     return root, runs
 
@@ -109,6 +114,17 @@ def test_a_mid_epoch_resume_on_the_same_processes_ends_as_the_uninterrupted_run(
     for key in ("eval_accuracy", "eval_loss", "train_loss", "global_step", "samples_seen"):
         assert after_resume[key] == uninterrupted[key], key
     assert uninterrupted["global_step"] == (6 if name == "classifier" else 12)
+
+
+def test_eval_only_evaluates_best_under_zero_3_as_the_run_did(launched):
+    """best/ holds whole weights; ZeRO-3's plain module holds empty placeholders for each process's partition, so
+    they load through DeepSpeed's gathering (before: "cannot load checkpoint ... corrupt or from another model")."""
+    root, _ = launched
+    run = results(root / "zero3")
+    evaluated = __import__("json").loads((root / "zero3_evaluated" / "eval_results.json").read_text())
+    assert run["metric_for_best"] == "eval_loss" and evaluated["checkpoint_epochs_done"] == run["best_epoch"] + 1
+    assert evaluated["eval_loss"] == run["best_eval_loss"]
+    assert evaluated["eval_samples"] == 101 and 0 < evaluated["eval_accuracy"] <= 1
 
 
 def zero_shards(zero_3: bool, processes: int) -> list:

@@ -193,15 +193,19 @@ def wandb_login(monkeypatch):
     from wandb.sdk import wandb_setup
 
     TRACKERS_INSTALLED.append("wandb")
-    stub = SimpleNamespace(mode="online", result=True, calls=[])
+    stub = SimpleNamespace(mode="online", result=True, calls=[], settings=SimpleNamespace(silent=False))
 
     def login(**kwargs):
-        stub.calls.append(kwargs)
+        stub.calls.append({**kwargs, "silent": stub.settings.silent})
         if isinstance(stub.result, Exception):
             raise stub.result
         return stub.result
 
-    monkeypatch.setattr(wandb_setup, "singleton", lambda: SimpleNamespace(settings=SimpleNamespace(mode=stub.mode)))
+    def singleton():
+        stub.settings.mode = stub.mode
+        return SimpleNamespace(settings=stub.settings)
+
+    monkeypatch.setattr(wandb_setup, "singleton", singleton)
     monkeypatch.setattr(wandb, "login", login)
     yield stub
     TRACKERS_INSTALLED.remove("wandb")
@@ -213,7 +217,9 @@ W_AND_B_FIX = ("run `wandb login` (or set WANDB_API_KEY), or log offline with WA
 
 def test_wandb_online_needs_credentials_which_login_finds_without_asking(wandb_login):
     assert checked("--report_to", "wandb").report_to == ["wandb"]
-    assert wandb_login.calls == [{"prompt": False, "verify": False}]  # no prompt, no network
+    # no prompt, no network: silent, else its "logged in as" line asks W&B's service for the user name
+    assert wandb_login.calls == [{"prompt": False, "verify": False, "silent": True}]
+    assert wandb_login.settings.silent is False  # as before the check: the run's own W&B output unchanged
     wandb_login.result = False
     assert checked("--report_to", "wandb") == refusal(
         f"--report_to wandb: W&B cannot log online: it has no API key here (not logged in); {W_AND_B_FIX}")

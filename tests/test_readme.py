@@ -252,6 +252,13 @@ LAUNCHED_BY_ANOTHER_TEST = {
     # its run "resized": --num_processes 3 ... --resume_from_checkpoint latest, a job of tests/jobs.py
     "accelerate launch --config_file accelerate_configs/fsdp_cpu.yaml --num_processes 3 scripts/train_mnist.py":
         "tests/test_fsdp.py::test_mnist_fsdp_resumes_on_3_processes_training_every_sample_once",
+    # tests/test_deepspeed_launched.py's two launches, each a job of tests/jobs.py per stage and script: the ZeRO-2
+    # config's 2 processes given as --num_processes 2, the ZeRO-3 config's with --num_processes 3
+    "accelerate launch --config_file accelerate_configs/deepspeed_zero2_cpu.yaml scripts/train_mnist.py":
+        "tests/test_deepspeed_launched.py::test_mnist_under_zero_trains_as_ddp_with_its_state_partitioned",
+    "accelerate launch --config_file accelerate_configs/deepspeed_zero3_cpu.yaml --num_processes 3 "
+    "scripts/train_mnist.py":
+        "tests/test_deepspeed_launched.py::test_mnist_under_zero_trains_as_ddp_with_its_state_partitioned",
     # helpers.launcher_args(2): these flags, and --num_machines 1 --mixed_precision no --dynamo_backend no, the
     # launcher's own defaults where `accelerate config` never ran, spelled out
     "accelerate launch --multi_gpu --num_processes 2 --main_process_port 0 scripts/train_mnist.py":

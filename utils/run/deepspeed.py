@@ -78,6 +78,42 @@ def model_to_save(accelerator, model):
     return accelerator.unwrap_model(model, keep_torch_compile=False)
 
 
+def load_whole_weights_under_zero3(plain_model, weights: dict) -> None:
+    """Collective: whole weights (a model.safetensors) into a ZeRO-3 model, whose plain module holds empty
+    placeholders for the partitions each process keeps: gathered, loaded on every process (strictly, so a wrong file
+    fails everywhere), partitioned again from rank 0's (DeepSpeed's own way to change ZeRO-3 parameters)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(plain_model.parameters()), modifier_rank=0):
+        plain_model.load_state_dict(weights)
+
+
+def all_in_model_dtype(accelerator, model) -> None:
+    """Under DeepSpeed's fp16 or bf16, the model's floating-point buffers and inputs in the dtype DeepSpeed cast its
+    parameters to. DeepSpeed casts the parameters alone (no autocast over fp32 weights, as Accelerate's own mixed
+    precision does), so float32 images stop at the first convolution ("Input type (float) and bias type
+    (c10::BFloat16) should be the same"), and BatchNorm's float32 running statistics beside its bf16 weight and bias
+    ("expected scalar type BFloat16 but found Float"). Inputs are cast before every forward, as the Hugging Face
+    Trainer casts them under DeepSpeed. Nothing to do without DeepSpeed or in fp32."""
+    import torch
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    dtype = torch.bfloat16 if model.bfloat16_enabled() else torch.float16 if model.fp16_enabled() else None
+    if dtype is None:
+        return
+    plain_model = accelerator.unwrap_model(model)
+    for buffer in plain_model.buffers():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)  # in place of the tensor: the same buffer object, as hooks hold it
+
+    def cast_inputs(module, inputs):
+        return tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
+
+    plain_model.register_forward_pre_hook(cast_inputs)
+
+
 def buffers_as_under_ddp(accelerator, model) -> None:
     """Under DeepSpeed, rank 0's buffers (BatchNorm's running statistics) before every forward of `model`, as DDP
     broadcasts them (collective: every process runs as many forwards, in training as in the exact evaluation).

@@ -13,5 +13,7 @@ def import_deepspeed_if_installed() -> None:
     earlier, or, if they never unwrap a model, in addition."""
     from accelerate.utils import is_deepspeed_available
 
+    from ..lean_imports import import_deepspeed
+
     if is_deepspeed_available():
-        import deepspeed  # noqa: F401
+        import_deepspeed()

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from ..errors import UserError
 from ..output_files import BEST, TRAINING_STATE, WEIGHTS
 from ..run.checkpoints import check_checkpoint, newest_good_checkpoint, warn_if_unverifiable
-from ..run.deepspeed import buffers_as_under_ddp
+from ..run.deepspeed import all_in_model_dtype, buffers_as_under_ddp, load_whole_weights_under_zero3, zero3
 from ..run.deepspeed_checkpoints import check_deepspeed_run
 from ..run.fsdp import complete_fsdp_model
 from ..run.progress import TrainingProgress, read_training_state
@@ -29,6 +29,7 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
     # DeepSpeed's checkpoints resume under DeepSpeed, on the processes that saved them (run/deepspeed_checkpoints.py)
     check_deepspeed_run(accelerator, None if checkpoint is None or weights_only(checkpoint) else checkpoint)
     buffers_as_under_ddp(accelerator, model)  # under DeepSpeed: rank 0's BatchNorm statistics, as DDP keeps them
+    all_in_model_dtype(accelerator, model)  # under DeepSpeed's fp16/bf16: its buffers and inputs as its parameters
     if checkpoint is None:
         if resume_from_checkpoint == "latest":
             logger.info(f"No checkpoint in {output_dir} yet: starting from scratch", main_process_only=True)
@@ -41,8 +42,12 @@ def load_checkpoint(accelerator, model, checkpoint, progress: TrainingProgress, 
 
             # The plain weights, as save_model wrote them; full_state_dict: the same call loads them into an
             # FSDP-sharded model (each process keeps its shard), a DDP-wrapped or a compiled one.
-            set_model_state_dict(accelerator.unwrap_model(model), load_file(Path(checkpoint) / WEIGHTS),
-                                 options=StateDictOptions(full_state_dict=True))
+            weights = load_file(Path(checkpoint) / WEIGHTS)
+            if zero3(accelerator):  # DeepSpeed's partitions are not DTensors: gathered by DeepSpeed itself
+                load_whole_weights_under_zero3(accelerator.unwrap_model(model), weights)
+            else:
+                set_model_state_dict(accelerator.unwrap_model(model), weights,
+                                     options=StateDictOptions(full_state_dict=True))
         else:
             accelerator.load_state(str(checkpoint))
     except Exception as err:  # torch.load, safetensors and shape mismatches raise many types
