@@ -12,6 +12,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import BatchSamplerShard, SkipBatchSampler
+from accelerate.utils import DistributedType
 from safetensors.torch import save_file
 
 from utils.errors import UserError
@@ -346,11 +347,12 @@ def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_stat
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: calls.append(("complete", model)))
     monkeypatch.setattr(resume, "check_deepspeed_run", lambda accelerator, checkpoint: None)  # not DeepSpeed
     monkeypatch.setattr(resume, "buffers_as_under_ddp", lambda accelerator, model: None)
+    monkeypatch.setattr(resume, "all_in_model_dtype", lambda accelerator, model: None)
     real_set = dcp_state_dict.set_model_state_dict
     monkeypatch.setattr(dcp_state_dict, "set_model_state_dict", lambda model, state, options: (
         calls.append(("set", options.full_state_dict)), real_set(model, state, options=options))[1])
     model = torch.nn.Linear(2, 1)
-    accelerator = SimpleNamespace(unwrap_model=lambda wrapped: wrapped)
+    accelerator = SimpleNamespace(unwrap_model=lambda wrapped: wrapped, distributed_type=DistributedType.FSDP)
     (tmp_path / "best").mkdir()
     save_file({"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, tmp_path / "best" / "model.safetensors")
     resume.load_checkpoint(accelerator, model, tmp_path / "best", TrainingProgress(), "best", tmp_path)
@@ -361,6 +363,7 @@ def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_proce
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: None)
     monkeypatch.setattr(resume, "check_deepspeed_run", lambda accelerator, checkpoint: None)
     monkeypatch.setattr(resume, "buffers_as_under_ddp", lambda accelerator, model: None)
+    monkeypatch.setattr(resume, "all_in_model_dtype", lambda accelerator, model: None)
     with caplog.at_level("INFO"):
         resume.load_checkpoint(SimpleNamespace(), None, None, TrainingProgress(), "latest", run_folder)
         resume.load_checkpoint(SimpleNamespace(load_state=lambda folder: None), None, run_folder / "step_2",

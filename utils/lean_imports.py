@@ -24,7 +24,8 @@ def hidden(package: str):
 
 
 def import_evaluate():
-    """`import evaluate`, without transformers' pipelines (its Evaluator classes; the metrics do not need them)."""
+    """`import evaluate`, without transformers' pipelines (its Evaluator classes; the metrics do not need them).
+    evaluate.evaluator, in this process, then says transformers is missing; transformers itself imports as before."""
     with hidden("transformers"):
         import evaluate
     return evaluate
