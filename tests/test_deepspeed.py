@@ -124,6 +124,13 @@ def test_what_deepspeed_does_not_take_is_refused_in_one_line(deepspeed_launch, s
         f"DeepSpeed (see --help)") in line
 
 
+def test_a_deepspeed_launch_takes_each_scripts_other_flags(deepspeed_launch):
+    """A script without one of DEEPSPEED_UNSUPPORTED's flags (train_mnist.py has no --compile or --streaming) has it
+    off: neither script is refused for a flag it lacks."""
+    assert not load_script(TRAIN_MNIST).parse_args(["--cpu"]).model_ema
+    assert not load_script(CLASSIFIER).parse_args(["--cpu", "--data_dir", "images"]).compile
+
+
 def test_the_same_flags_without_deepspeed_are_accepted(monkeypatch):
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     assert load_script(TRAIN_MNIST).parse_args(["--cpu", "--model_ema", "--auto_find_batch_size"]).model_ema

@@ -359,6 +359,38 @@ def test_load_checkpoint_completes_an_fsdp_model_and_loads_best_as_one_full_stat
     assert calls == [("complete", model), ("set", True)] and torch.equal(model.weight, torch.ones(1, 2))
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_load_checkpoint_gives_deepspeeds_steps_the_prepared_model_and_the_checkpoint_to_check(
+        tmp_path, monkeypatch, zero_stage):
+    """Under DeepSpeed (tests/test_deepspeed_launched.py and test_deepspeed_checkpoints.py launch the runs): the model
+    to the BatchNorm broadcast and the dtype casts, the checkpoint to check_deepspeed_run (None for best/'s weights,
+    which any launch reads), and best/ under ZeRO-3 through DeepSpeed's gathering, into the unwrapped model."""
+    calls = []
+    for step in ("buffers_as_under_ddp", "all_in_model_dtype", "check_deepspeed_run", "complete_fsdp_model"):
+        monkeypatch.setattr(resume, step, lambda accelerator, value, step=step: calls.append((step, value)))
+    monkeypatch.setattr(resume, "load_whole_weights_under_zero3",
+                        lambda model, weights: calls.append(("zero3", model, sorted(weights))))
+    plain, engine = torch.nn.Linear(2, 1), object()
+    accelerator = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED,
+                                  unwrap_model=lambda wrapped: plain if wrapped is engine else None,
+                                  load_state=lambda folder: calls.append(("load_state", folder)),
+                                  state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=zero_stage)))
+    (tmp_path / "best").mkdir()
+    save_file({"weight": torch.ones(1, 2), "bias": torch.zeros(1)}, tmp_path / "best" / "model.safetensors")
+    resume.load_checkpoint(accelerator, engine, tmp_path / "step_3", TrainingProgress(), "latest", tmp_path)
+    resume.load_checkpoint(accelerator, engine, tmp_path / "best", TrainingProgress(), "best", tmp_path)
+    prepared = [("complete_fsdp_model", engine), ("check_deepspeed_run", tmp_path / "step_3"),
+                ("buffers_as_under_ddp", engine), ("all_in_model_dtype", engine)]
+    best = [("complete_fsdp_model", engine), ("check_deepspeed_run", None), ("buffers_as_under_ddp", engine),
+            ("all_in_model_dtype", engine)]
+    if zero_stage == 3:
+        assert calls == [*prepared, ("load_state", str(tmp_path / "step_3")), *best,
+                         ("zero3", plain, ["bias", "weight"])]
+    else:  # ZeRO-2: each process holds the whole weights, loaded as under DDP
+        assert calls == [*prepared, ("load_state", str(tmp_path / "step_3")), *best]
+        assert torch.equal(plain.weight, torch.ones(1, 2))
+
+
 def test_the_resume_lines_are_the_main_processes_alone(run_folder, another_process, caplog, monkeypatch):
     monkeypatch.setattr(resume, "complete_fsdp_model", lambda accelerator, model: None)
     monkeypatch.setattr(resume, "check_deepspeed_run", lambda accelerator, checkpoint: None)
