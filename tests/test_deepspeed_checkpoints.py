@@ -9,6 +9,7 @@ one child forked per job, a job after the runs whose checkpoints it resumes); Ze
 ACCELERATE_DEEPSPEED_ZERO_STAGE, as `accelerate launch --zero_stage 3` exports it."""
 
 import importlib.util
+import json
 import re
 import shlex
 import shutil
@@ -121,7 +122,7 @@ def test_eval_only_evaluates_best_under_zero_3_as_the_run_did(launched):
     they load through DeepSpeed's gathering (before: "cannot load checkpoint ... corrupt or from another model")."""
     root, _ = launched
     run = results(root / "zero3")
-    evaluated = __import__("json").loads((root / "zero3_evaluated" / "eval_results.json").read_text())
+    evaluated = json.loads((root / "zero3_evaluated" / "eval_results.json").read_text())
     assert run["metric_for_best"] == "eval_loss" and evaluated["checkpoint_epochs_done"] == run["best_epoch"] + 1
     assert evaluated["eval_loss"] == run["best_eval_loss"]
     assert evaluated["eval_samples"] == 101 and 0 < evaluated["eval_accuracy"] <= 1
@@ -160,7 +161,7 @@ def test_deepspeeds_checkpoint_is_inside_ours_with_its_manifest(launched, name):
     shards = zero_shards(name == "zero3", 2)
     assert sorted(p.name for p in (checkpoint / "pytorch_model").iterdir()) == shards
     assert (checkpoint / "latest").read_text() == "pytorch_model"
-    listed = set(__import__("json").loads((checkpoint / "manifest.json").read_text())["files"])
+    listed = set(json.loads((checkpoint / "manifest.json").read_text())["files"])
     assert {f"pytorch_model/{shard}" for shard in shards} | {"latest", "training_state.json", "random_states_1.pkl",
                                                              "scheduler.bin"} <= listed
     assert check_checkpoint(checkpoint) is None
